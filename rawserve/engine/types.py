@@ -1,0 +1,158 @@
+"""The only types that cross the frontend/core boundary: sampling params, requests, per-step outputs.
+
+Small picklable slots dataclasses of ids, numbers and strings. No tensors, tokenizers or callbacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+# One token's logprobs: (token_id, logprob, rank, ((top_id, top_logprob), ...)).
+# rank is 1 for the most likely token. The distribution is the model's raw log-softmax over the
+# vocabulary (before temperature, penalties and truncation), as vLLM reports by default.
+TokenLogprob = tuple[int, float, int, tuple[tuple[int, float], ...]]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    guided_regex: str | None = None
+    guided_json: dict | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field. With vocab_size, also check token ids against it."""
+        def bad(name: str, message: str) -> None:
+            raise ValueError(f"{name}: {message}")
+
+        for name in ("n", "max_tokens", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad(name, f"must be an integer, got {value!r}")
+        if self.n < 1:
+            bad("n", f"must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "each stop string must be a non-empty string")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                if not -100 <= bias <= 100:
+                    bad("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
+        if vocab_size is not None:
+            for token_id in (self.logit_bias or {}):
+                if not 0 <= token_id < vocab_size:
+                    bad("logit_bias", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+            for token_id in self.stop_token_ids:
+                if not 0 <= token_id < vocab_size:
+                    bad("stop_token_ids", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def child(self, j: int) -> SamplingParams:
+        """The j-th of n samples, as a single-sample request.
+
+        A seeded request gives each child its own seed, derived by hashing (seed, j), so the n
+        samples differ from each other but the whole set is reproducible.
+        """
+        seed = self.seed
+        if seed is not None:
+            digest = hashlib.sha256(f"{seed}:{j}".encode()).digest()
+            seed = int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Frontend -> core: one request to schedule."""
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    lora: str | None = None
+    features: object | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Core -> frontend: what one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None  # the stop token id (a stop string is set by the frontend)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Core -> frontend, periodically: the gauges and counters /metrics shows."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
