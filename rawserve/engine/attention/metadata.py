@@ -1,0 +1,27 @@
+"""AttentionMetadata: where one step's new tokens go in the paged KV cache and what each sequence sees.
+
+Built once per step by the model runner and shared by every layer; holds no model state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # Sequences are laid out in order in the flattened token batch.
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0 past each sequence's blocks
+    # Host copies, so the torch backend can plan without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # The sequences that decode one token this step, batched together by the torch backend.
+    decode_seq_ids: torch.Tensor  # [num_decodes] int64 indices into the sequence list
+    decode_token_ids: torch.Tensor  # [num_decodes] int64 indices into the token batch
+    max_decode_len: int  # longest context among the decodes
+    prefill_seq_ids: list[int]  # sequences with more than one new token
+    block_size: int

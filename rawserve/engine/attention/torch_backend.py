@@ -1,0 +1,80 @@
+"""Portable paged attention in plain torch (CPU and CUDA): cache writes, prefill and batched decode.
+
+It is also the reference the triton kernels are checked against, so it favours clarity over speed
+where the two conflict; decodes are batched because they dominate steady-state serving.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rawserve.engine.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V at their slots.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] indexed by blocks [n] -> the first `length` slots [length, H, D]."""
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached context (this step's K/V already written).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    block_size = meta.block_size
+    starts = meta.query_start_loc_cpu
+
+    for i in meta.prefill_seq_ids:
+        start, end = starts[i], starts[i + 1]
+        q_len, seq_len = end - start, meta.seq_lens_cpu[i]
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :num_blocks]
+        k = _gather(k_cache, blocks, seq_len)  # [seq_len, kv_heads, D]
+        v = _gather(v_cache, blocks, seq_len)
+        qs = q[start:end].transpose(0, 1)  # [heads, q_len, D]
+        ks = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq_len, D]
+        vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        context = seq_len - q_len  # tokens already cached before this chunk
+        if context == 0:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            # Query i sits at position context + i and may see keys 0..context + i.
+            rows = torch.arange(q_len, device=q.device).unsqueeze(1) + context
+            cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+
+    num_decodes = meta.decode_seq_ids.numel()
+    if num_decodes:
+        seq_ids, token_ids = meta.decode_seq_ids, meta.decode_token_ids
+        max_len = meta.max_decode_len
+        max_blocks = (max_len + block_size - 1) // block_size
+        tables = meta.block_tables[seq_ids, :max_blocks]  # [B, max_blocks]
+        # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3)
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3)
+        qd = q[token_ids].view(num_decodes, num_kv_heads, group, head_dim)  # [B, kv_heads, G, D]
+        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, G, L]
+        lens = meta.seq_lens[seq_ids].unsqueeze(1)  # [B, 1]
+        valid = torch.arange(max_len, device=q.device).unsqueeze(0) < lens  # [B, L]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v)  # [B, kv_heads, G, D]
+        out[token_ids] = o.reshape(num_decodes, num_heads, head_dim)
+    return out

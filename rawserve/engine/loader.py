@@ -1,0 +1,269 @@
+"""Hugging Face checkpoint directory -> ModelConfig and weights (safetensors, single or sharded).
+
+Owns every check on what a checkpoint holds; each failure names the file, tensor or field.
+Weights stream one tensor at a time from memory-mapped files into preallocated parameters,
+so a load never holds a second full copy of the model.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file, tensor or field."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    family: str  # qwen3 | qwen2 | llama
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_scaling: dict | None = None
+    dtype: torch.dtype = torch.float32  # the checkpoint's own dtype
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+    return ()
+
+
+def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
+    """Parse config.json (and generation_config.json's eos ids) into a ModelConfig."""
+    root = pathlib.Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: model directory does not exist")
+    path = root / "config.json"
+    raw = _read_json(path)
+    architectures = raw.get("architectures") or []
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        found = ", ".join(map(str, architectures)) or f"model_type={raw.get('model_type')!r}"
+        raise CheckpointError(f"{path}: unsupported architecture {found}; supported: "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+
+    def need(name: str, kind: type = int) -> object:
+        if name not in raw or raw[name] is None:
+            raise CheckpointError(f"{path}: missing field {name!r}")
+        value = raw[name]
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{path}: field {name!r} must be a positive integer, got {value!r}")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise CheckpointError(f"{path}: field {name!r} must be a number, got {value!r}")
+        return value
+
+    hidden = need("hidden_size")
+    num_heads = need("num_attention_heads")
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    if num_heads % num_kv_heads:
+        raise CheckpointError(f"{path}: num_attention_heads ({num_heads}) is not a multiple of "
+                              f"num_key_value_heads ({num_kv_heads})")
+    # transformers >= 5 writes rope_parameters; published checkpoints write rope_theta/rope_scaling.
+    rope_params = raw.get("rope_parameters") or {}
+    rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default")
+                                          else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("llama3", "default"):
+            raise CheckpointError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3)")
+        if kind == "default":
+            scaling = None
+    dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if dtype_name not in _DTYPES:
+        raise CheckpointError(f"{path}: unsupported torch_dtype {dtype_name!r}")
+    eos = _ids(raw.get("eos_token_id"))
+    gen_path = root / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = _ids(_read_json(gen_path).get("eos_token_id"))
+        eos = gen_eos or eos
+    return ModelConfig(
+        family=family, architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
+        intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+        max_position_embeddings=need("max_position_embeddings"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family == "qwen3", rope_scaling=scaling, dtype=_DTYPES[dtype_name],
+        eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"))
+
+
+def safetensors_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """The weight files: the index's shards when model.safetensors.index.json exists, else *.safetensors."""
+    root = pathlib.Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{root}: no *.safetensors weight files")
+    for file in files:
+        if not file.exists():
+            raise CheckpointError(f"{file}: weight file listed in the index is missing")
+    return files
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    name: str
+    file: pathlib.Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    num_bytes: int
+
+
+def read_safetensors_header(file: pathlib.Path) -> list[TensorEntry]:
+    """Parse a safetensors header and check every tensor lies inside the file (catches truncation)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if header_len < 2 or 8 + header_len > size:
+                raise CheckpointError(f"{file}: cannot read safetensors file (header of {header_len} bytes in a "
+                                      f"{size}-byte file); it may be truncated or corrupt")
+            header = json.loads(f.read(header_len))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file}: cannot read safetensors file ({error}); it may be truncated or "
+                              "corrupt") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: cannot read safetensors file (header is not an object); it may be "
+                              "truncated or corrupt")
+    entries = []
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: tensor {name!r} has an unreadable header entry {info!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * torch.empty((), dtype=dtype).element_size():
+            raise CheckpointError(f"{file}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+        if base + end > size:
+            raise CheckpointError(f"{file}: cannot read safetensors file (tensor {name!r} ends at byte "
+                                  f"{base + end} of a {size}-byte file); it may be truncated or corrupt")
+        entries.append(TensorEntry(name, file, dtype, shape, base + begin, end - begin))
+    return entries
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's memory, for readinto() straight into it."""
+    import ctypes
+
+    buffer = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    return memoryview(buffer).cast("B")
+
+
+def read_tensor_into(entry: TensorEntry, f, out: torch.Tensor) -> None:
+    """Read one tensor from the open file into `out`, converting dtype/device as needed.
+
+    Reads straight into `out` when it is a contiguous CPU tensor of the same dtype; otherwise through
+    one temporary of this tensor's size. Never maps the whole file, so peak memory is the model plus
+    the largest single tensor.
+    """
+    f.seek(entry.offset)
+    direct = out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous()
+    target = out if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    if target.numel():
+        view = _writable_bytes(target)
+        if f.readinto(view) != entry.num_bytes:
+            raise CheckpointError(f"{entry.file}: tensor {entry.name!r} is cut short; the file may be truncated")
+    if not direct:
+        out.copy_(target.view(out.shape))
+
+
+# A target for one checkpoint tensor: the parameter and the row range of it the tensor fills
+# (several checkpoint tensors fill one fused parameter, e.g. q/k/v -> qkv_proj).
+Target = tuple[torch.Tensor, int, int]
+
+# Checkpoint tensors that carry no weights we need (precomputed rotary tables of old exports).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target]) -> None:
+    """Copy every checkpoint tensor into its target slice, converting dtype, one tensor at a time.
+
+    `targets` maps checkpoint names to (parameter, row_start, row_end). Every target must be filled.
+    """
+    missing = set(targets)
+    for file in safetensors_files(model_dir):
+        entries = read_safetensors_header(file)
+        with open(file, "rb", buffering=0) as f, torch.no_grad():
+            for entry in entries:
+                target = targets.get(entry.name)
+                if target is None:
+                    if not entry.name.endswith(_IGNORED_SUFFIXES) and entry.name != "lm_head.weight":
+                        raise CheckpointError(f"{file}: unexpected tensor {entry.name!r}")
+                    continue
+                param, start, end = target
+                expected = (end - start, *param.shape[1:])
+                if entry.shape != tuple(expected):
+                    raise CheckpointError(f"{file}: tensor {entry.name!r} has shape {entry.shape}, expected "
+                                          f"{tuple(expected)}")
+                read_tensor_into(entry, f, param[start:end])
+                missing.discard(entry.name)
+    if missing:
+        names = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir}: missing tensors {names} ({len(missing)} in all)")

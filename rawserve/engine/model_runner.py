@@ -1,0 +1,182 @@
+"""ModelRunner: load the model, own the paged KV cache, and turn one step's batch into logits.
+
+Core side only: it knows token ids, positions and block tables, never text or requests' sampling.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from rawserve.config import EngineConfig
+from rawserve.engine.attention.metadata import AttentionMetadata
+from rawserve.engine.loader import ModelConfig, load_weights, read_model_config
+from rawserve.engine.models.decoder import DecoderModel
+
+log = logging.getLogger("rawserve.engine")
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class StepInput:
+    token_ids: list[int]  # tokens to compute this step (a prefill chunk, or the one decode token)
+    num_computed_tokens: int  # tokens of this sequence already in the KV cache; positions start here
+    block_table: list[int]  # KV block ids covering positions [0, num_computed_tokens + len(token_ids))
+    logits_mode: int  # 0: none, 1: last token's logits, 2: every token's logits (prompt logprobs)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU does bf16 arithmetic in hardware (AVX512-BF16, AMX, or Arm's BF16 extension).
+
+    Without it torch emulates bf16 matmuls at a small fraction of float32 speed (1-18 GFLOP/s vs
+    ~110 on an AVX2-only box), so dtype=auto must not pick bf16 there.
+    """
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        # No /proc (macOS): Apple silicon since M2 has BF16; Intel Macs do not.
+        return platform.machine() == "arm64"
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda was asked for but torch sees no CUDA device")
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPE_NAMES[config.dtype]
+    if device.type == "cuda":
+        return checkpoint_dtype
+    if checkpoint_dtype == torch.bfloat16 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
+               cfg: ModelConfig | None = None) -> DecoderModel:
+    """Build the model without initialising it, then stream the checkpoint's tensors into it."""
+    cfg = cfg or read_model_config(model_dir)
+    with torch.device("meta"):
+        model = DecoderModel(cfg, dtype)
+    model.to_empty(device=device)
+    load_weights(model_dir, model.targets())
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.model_dir is None:
+            raise ValueError("--model-dir: the model runner needs a checkpoint directory")
+        self.config = config
+        self.model_config = cfg = read_model_config(config.model_dir)
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, cfg.dtype, self.device)
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"--max-model-len: {self.max_model_len} exceeds the checkpoint's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = cfg.eos_token_ids
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model_dir, self.dtype, self.device, cfg)
+        self.model.init_rope(self.max_model_len, self.device)
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: masked-out slots are multiplied by 0 probability, and 0 * NaN is NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_layers)]
+        log.info("model %s: %s on %s, %d KV blocks of %d tokens", config.model_dir, self.dtype, self.device,
+                 self.num_blocks, self.block_size)
+
+    def _num_blocks(self) -> int:
+        cfg = self.model_config
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        bytes_per_block = (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
+                           * torch.finfo(self.dtype).bits // 8)
+        budget = int(self.config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
+        # More blocks than every sequence at full length could use is memory for nothing.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(budget, useful))
+
+    def _metadata(self, inputs: list[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                          torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        decode_seq: list[int] = []
+        decode_tok: list[int] = []
+        prefill_seq: list[int] = []
+        max_blocks = 1
+        max_decode_len = 0
+        for i, inp in enumerate(inputs):
+            n, start = len(inp.token_ids), inp.num_computed_tokens
+            table = inp.block_table
+            ids.extend(inp.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            offset = starts[-1]
+            if inp.logits_mode == 1:
+                logit_rows.append(offset + n - 1)
+            elif inp.logits_mode == 2:
+                logit_rows.extend(range(offset, offset + n))
+            starts.append(offset + n)
+            seq_len = start + n
+            seq_lens.append(seq_len)
+            max_blocks = max(max_blocks, len(table))
+            if n == 1:
+                decode_seq.append(i)
+                decode_tok.append(offset)
+                max_decode_len = max(max_decode_len, seq_len)
+            else:
+                prefill_seq.append(i)
+        tables = torch.zeros((len(inputs), max_blocks), dtype=torch.int64)
+        for i, inp in enumerate(inputs):
+            if inp.block_table:
+                tables[i, :len(inp.block_table)] = torch.tensor(inp.block_table, dtype=torch.int64)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+            decode_seq_ids=torch.tensor(decode_seq, dtype=torch.int64, device=dev),
+            decode_token_ids=torch.tensor(decode_tok, dtype=torch.int64, device=dev),
+            max_decode_len=max_decode_len, prefill_seq_ids=prefill_seq, block_size=bs)
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                torch.tensor(logit_rows, dtype=torch.int64, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[StepInput]) -> torch.Tensor:
+        """One forward over the flattened batch -> float32 logits [num_rows, vocab_size].
+
+        For each input in order: 0 rows (mode 0), 1 row (mode 1: its last token), or len(token_ids)
+        rows (mode 2: row i predicts the token after token_ids[i]).
+        """
+        input_ids, positions, meta, rows = self._metadata(inputs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if rows.numel() == 0:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden[rows])  # [num_rows, vocab]

@@ -1,0 +1,165 @@
+"""One decoder for Qwen3, Qwen2/2.5 and Llama 3: RMSNorm, RoPE, GQA attention over a paged KV cache, SwiGLU.
+
+Per-family switches come from ModelConfig (q/k norm, qkv bias, llama3 rope scaling, tied embeddings).
+q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls); the loader fills the slices.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rawserve.engine.attention.metadata import AttentionMetadata
+from rawserve.engine.attention.torch_backend import paged_attention, write_kv
+from rawserve.engine.loader import ModelConfig, Target
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Built under torch.device("meta") and materialised with to_empty(): no init cost, no second copy.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF semantics: normalise in float32, cast back, then scale by the weight."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies, with Llama 3's long-context rescaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (neox) rotation as HF does. x: [T, H, D]; cos/sin: [T, 1, D/2] float32."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.qkv_proj = _param(q_size + 2 * kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(q_size + 2 * kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.o_proj = _param(cfg.hidden_size, q_size, dtype=dtype)
+        self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.scale = cfg.head_dim ** -0.5
+
+    def targets(self, prefix: str) -> dict[str, Target]:
+        q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
+        t: dict[str, Target] = {
+            f"{prefix}.input_layernorm.weight": (self.input_layernorm, 0, self.cfg.hidden_size),
+            f"{prefix}.post_attention_layernorm.weight": (self.post_attention_layernorm, 0, self.cfg.hidden_size),
+            f"{prefix}.self_attn.q_proj.weight": (self.qkv_proj, 0, q),
+            f"{prefix}.self_attn.k_proj.weight": (self.qkv_proj, q, q + kv),
+            f"{prefix}.self_attn.v_proj.weight": (self.qkv_proj, q + kv, q + 2 * kv),
+            f"{prefix}.self_attn.o_proj.weight": (self.o_proj, 0, self.cfg.hidden_size),
+            f"{prefix}.mlp.gate_proj.weight": (self.gate_up_proj, 0, inter),
+            f"{prefix}.mlp.up_proj.weight": (self.gate_up_proj, inter, 2 * inter),
+            f"{prefix}.mlp.down_proj.weight": (self.down_proj, 0, self.cfg.hidden_size),
+        }
+        if self.qkv_bias is not None:
+            t[f"{prefix}.self_attn.q_proj.bias"] = (self.qkv_bias, 0, q)
+            t[f"{prefix}.self_attn.k_proj.bias"] = (self.qkv_bias, q, q + kv)
+            t[f"{prefix}.self_attn.v_proj.bias"] = (self.qkv_bias, q + kv, q + 2 * kv)
+        if self.q_norm is not None:
+            t[f"{prefix}.self_attn.q_norm.weight"] = (self.q_norm, 0, self.cfg.head_dim)
+            t[f"{prefix}.self_attn.k_norm.weight"] = (self.k_norm, 0, self.cfg.head_dim)
+        return t
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        residual = x if residual is None else residual + x  # [T, hidden]
+        h = rms_norm(residual, self.input_layernorm, eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)  # [T, q + 2 kv]
+        num_tokens = qkv.shape[0]
+        q = qkv[:, :self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, eps)
+            k = rms_norm(k, self.k_norm, eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
+        h = F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj)
+        residual = residual + h
+        h = rms_norm(residual, self.post_attention_layernorm, eps)
+        gate_up = F.linear(h, self.gate_up_proj)  # [T, 2 I]
+        inter = cfg.intermediate_size
+        h = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down_proj)
+        return h, residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rope_cos: torch.Tensor | None = None  # [max_pos, D/2] float32, built by init_rope()
+        self.rope_sin: torch.Tensor | None = None
+
+    def targets(self) -> dict[str, Target]:
+        """Checkpoint tensor name -> where it goes."""
+        t: dict[str, Target] = {"model.embed_tokens.weight": (self.embed_tokens, 0, self.cfg.vocab_size),
+                                "model.norm.weight": (self.norm, 0, self.cfg.hidden_size)}
+        for i, layer in enumerate(self.layers):
+            t.update(layer.targets(f"model.layers.{i}"))
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head, 0, self.cfg.vocab_size)
+        return t
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.cfg).to(device)
+        freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+        self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] (flattened, unpadded batch) -> final hidden states [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return rms_norm(residual + x, self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

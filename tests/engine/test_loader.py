@@ -1,0 +1,184 @@
+"""Checkpoint loading: real files on disk, every failure names its file, tensor or field."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rawserve.config import EngineConfig
+from rawserve.engine.loader import CheckpointError, read_model_config
+from rawserve.engine.model_runner import ModelRunner, StepInput, load_model, resolve_dtype
+from tests.checkpoints import make_hf_checkpoint
+from tests.conftest import fixture_path
+
+GOLDEN_40 = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408, 419, 292,
+             411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370, 432, 352, 266, 268, 388, 426]
+
+
+@pytest.fixture()
+def ckpt(tmp_path, tiny_qwen3_dir):
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_qwen3_dir, target)
+    return target
+
+
+def load(path):
+    return load_model(path, torch.float32, torch.device("cpu"))
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="nowhere: model directory does not exist"):
+        read_model_config(tmp_path / "nowhere")
+
+
+def test_missing_config_is_named(ckpt):
+    (ckpt / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json: file is missing"):
+        read_model_config(ckpt)
+
+
+def test_corrupt_config_is_named(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        read_model_config(ckpt)
+
+
+def test_missing_config_field_is_named(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["hidden_size"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="missing field 'hidden_size'"):
+        read_model_config(ckpt)
+
+
+def test_unsupported_architecture_lists_supported_ones(ckpt):
+    edit_config(ckpt, architectures=["MixtralForCausalLM"])
+    with pytest.raises(CheckpointError, match="unsupported architecture MixtralForCausalLM; supported: "
+                                              "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"):
+        read_model_config(ckpt)
+
+
+def test_missing_tensor_is_named(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensors model\.layers\.1\.mlp\.up_proj\.weight"):
+        load(ckpt)
+
+
+def test_shape_mismatch_shows_both_shapes(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight' has shape "
+                                              r"\(64, 64\), expected \(64, 128\)"):
+        load(ckpt)
+
+
+def test_truncated_safetensors_is_named(ckpt):
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read safetensors file .*truncated"):
+        load(ckpt)
+
+
+def test_sharded_checkpoint_loads_like_single_file(ckpt, tmp_path):
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(ckpt / f, sharded / f)
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, sharded / file)
+        weight_map.update({k: file for k in keys})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a, b = load(ckpt), load(sharded)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_bfloat16_checkpoint_converts_to_float32(tmp_path):
+    path = make_hf_checkpoint(tmp_path / "bf16", "qwen2", dtype="bfloat16")
+    cfg = read_model_config(path)
+    assert cfg.dtype == torch.bfloat16
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    ref = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    assert model.embed_tokens.dtype == torch.float32
+    assert torch.equal(model.embed_tokens, ref.float())
+
+
+def test_dtype_auto_on_cpu_picks_float32_without_native_bf16(monkeypatch):
+    import rawserve.engine.model_runner as mr
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: False)
+    assert resolve_dtype(EngineConfig(), torch.bfloat16, cpu) == torch.float32
+    monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype(EngineConfig(), torch.bfloat16, cpu) == torch.bfloat16
+    assert resolve_dtype(EngineConfig(dtype="float16"), torch.bfloat16, cpu) == torch.float16
+
+
+def test_max_model_len_beyond_checkpoint_is_refused(tiny_qwen3_dir):
+    with pytest.raises(ValueError, match="--max-model-len: 100000 exceeds"):
+        ModelRunner(EngineConfig(model_dir=str(tiny_qwen3_dir), device="cpu", max_model_len=100000))
+
+
+def test_stories260k_greedy_reproduces_golden_ids():
+    model_dir = fixture_path("stories260k")
+    runner = ModelRunner(EngineConfig(model_dir=str(model_dir), device="cpu", dtype="float32", block_size=16,
+                                      num_kv_blocks=8))
+    prompt = [1, 403, 407, 261, 378]
+    table = [5, 2, 7, 0]
+    logits = runner.execute([StepInput(prompt, 0, table, 1)])
+    top5 = logits[0].topk(5)
+    assert top5.indices.tolist() == [432, 383, 322, 353, 323]
+    torch.testing.assert_close(top5.values, torch.tensor([17.7994, 14.2813, 9.7097, 9.5873, 9.1342]),
+                               atol=1e-3, rtol=0)
+    out = []
+    for step in range(40):
+        out.append(int(logits[0].argmax()))
+        logits = runner.execute([StepInput([out[-1]], len(prompt) + step, table, 1)])
+    assert out == GOLDEN_40
+
+
+PEAK_SCRIPT = """
+import sys, torch
+from rawserve.engine.model_runner import load_model
+def peak():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM'):
+            return int(line.split()[1]) * 1024
+base = peak()
+model = load_model(sys.argv[1], torch.float32, torch.device('cpu'))
+size = sum(p.numel() * p.element_size() for p in model.parameters())
+print(size, peak() - base)
+"""
+
+
+def test_load_peak_memory_stays_within_1_3x_of_weights(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    if not pathlib.Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to read peak resident memory")
+    path = make_hf_checkpoint(tmp_path / "mid", "qwen3", vocab_size=32000, hidden_size=256, intermediate_size=768,
+                              num_hidden_layers=4, head_dim=64)
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path)], capture_output=True, text=True,
+                         check=True, timeout=120)
+    size, peak = map(int, out.stdout.split())
+    assert size > 40_000_000
+    assert peak <= 1.3 * size, f"peak {peak / 1e6:.1f} MB for {size / 1e6:.1f} MB of weights"
