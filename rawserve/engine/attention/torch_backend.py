@@ -23,8 +23,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] indexed by blocks [n] -> the first `length` slots [length, H, D]."""
-    return cache[blocks].flatten(0, 1)[:length]
+    """[num_blocks, block_size, H, D] indexed by blocks [n] -> the first `length` slots [length, H, D].
+
+    index_select, not cache[blocks]: advanced indexing is several times slower on CPU.
+    """
+    return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -35,7 +38,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     block_size = meta.block_size
     starts = meta.query_start_loc_cpu
@@ -48,16 +50,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = _gather(k_cache, blocks, seq_len)  # [seq_len, kv_heads, D]
         v = _gather(v_cache, blocks, seq_len)
         qs = q[start:end].transpose(0, 1)  # [heads, q_len, D]
-        ks = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq_len, D]
-        vs = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq_len, D]
         context = seq_len - q_len  # tokens already cached before this chunk
         if context == 0:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Query i sits at position context + i and may see keys 0..context + i.
             rows = torch.arange(q_len, device=q.device).unsqueeze(1) + context
             cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows, scale=scale)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
 
     num_decodes = meta.decode_seq_ids.numel()
@@ -65,16 +66,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         seq_ids, token_ids = meta.decode_seq_ids, meta.decode_token_ids
         max_len = meta.max_decode_len
         max_blocks = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[seq_ids, :max_blocks]  # [B, max_blocks]
-        # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
-        k = k_cache[tables].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3)
-        v = v_cache[tables].flatten(1, 2)[:, :max_len].permute(0, 2, 1, 3)
-        qd = q[token_ids].view(num_decodes, num_kv_heads, group, head_dim)  # [B, kv_heads, G, D]
-        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, G, L]
+        tables = meta.block_tables[seq_ids, :max_blocks].flatten()  # [B * max_blocks]
+        # [B * max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D] as a strided view (no copy)
+        k = k_cache.index_select(0, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
+        v = v_cache.index_select(0, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
         lens = meta.seq_lens[seq_ids].unsqueeze(1)  # [B, 1]
         valid = torch.arange(max_len, device=q.device).unsqueeze(0) < lens  # [B, L]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        o = torch.matmul(probs, v)  # [B, kv_heads, G, D]
-        out[token_ids] = o.reshape(num_decodes, num_heads, head_dim)
+        o = F.scaled_dot_product_attention(q[token_ids].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+        out[token_ids] = o.squeeze(2)  # [B, heads, D]
     return out
