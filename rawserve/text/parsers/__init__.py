@@ -1,0 +1,21 @@
+"""Streaming output parsers, pluggable by name: reasoning (<think>) and tool calls (hermes, llama3_json).
+
+Pure string state machines used by the API layer; they must not import engine, http or api.
+"""
+from __future__ import annotations
+
+from rawserve.text.parsers.hermes import HermesToolParser
+from rawserve.text.parsers.llama3_json import Llama3JsonToolParser
+from rawserve.text.parsers.output import REASONING_PARSERS, TOOL_PARSERS, OutputParser, check_parser_names
+from rawserve.text.parsers.reasoning import ThinkReasoningParser, prompt_opens_reasoning
+
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "HermesToolParser",
+    "Llama3JsonToolParser",
+    "OutputParser",
+    "ThinkReasoningParser",
+    "check_parser_names",
+    "prompt_opens_reasoning",
+]

@@ -1,0 +1,109 @@
+"""OutputParser: one per choice, turns streamed text into OpenAI chat delta fragments.
+
+Chains a reasoning parser and a tool-call parser chosen by name, and merges their events into
+{"content"} / {"reasoning_content"} / {"tool_calls"} deltas. Must not import engine, http or api.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rawserve.text.parsers.base import Event, ReasoningParser, ToolParser
+from rawserve.text.parsers.hermes import HermesToolParser
+from rawserve.text.parsers.llama3_json import Llama3JsonToolParser
+from rawserve.text.parsers.reasoning import ThinkReasoningParser
+
+# name -> factory(starts_in_reasoning | None). deepseek_r1 templates always open <think> in the
+# prompt, so unless told otherwise its output starts inside reasoning; qwen3's starts outside.
+REASONING_PARSERS: dict[str, Callable[[bool | None], ReasoningParser]] = {
+    "qwen3": lambda opened: ThinkReasoningParser(bool(opened)),
+    "deepseek_r1": lambda opened: ThinkReasoningParser(True if opened is None else opened),
+}
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
+
+
+def check_parser_names(reasoning: str | None = None, tool: str | None = None) -> None:
+    """Raise ValueError for an unknown parser name, listing the known ones (for flag validation)."""
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser: unknown {reasoning!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
+    if tool is not None and tool not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser: unknown {tool!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+
+
+class OutputParser:
+    """feed(text, final) -> list of OpenAI chat delta fragments, in order.
+
+    reasoning: a reasoning parser name or None (all text is content). use_tools: look for tool calls
+    (with tool_parser) in the content. starts_in_reasoning: the prompt already opened <think>
+    (see prompt_opens_reasoning); None takes the parser's default. Deltas are never empty; a tool
+    call's first delta carries index, id, type and name with empty arguments, later ones argument
+    fragments. `has_tool_calls` tells the API to finish with "tool_calls".
+    """
+
+    def __init__(
+        self,
+        reasoning: str | None = None,
+        use_tools: bool = False,
+        *,
+        tool_parser: str = "hermes",
+        starts_in_reasoning: bool | None = None,
+    ) -> None:
+        check_parser_names(reasoning, tool_parser)
+        self._reasoning = REASONING_PARSERS[reasoning](starts_in_reasoning) if reasoning else None
+        self._tools = TOOL_PARSERS[tool_parser]() if use_tools else None
+        self.has_tool_calls = False
+        self._finished = False
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        if self._finished:
+            if text:
+                raise ValueError("OutputParser got text after the final feed")
+            return []
+        self._finished = final
+        if self._reasoning is not None:
+            events = self._reasoning.feed(text, final)
+        else:
+            events = [("content", text)] if text else []
+        if self._tools is not None:
+            routed: list[Event] = []
+            content = "".join(e[1] for e in events if e[0] == "content")  # type: ignore[misc]
+            # Reasoning comes before the answer in the stream, so within one feed it is safe to put
+            # reasoning events first and the content's tool parsing after them.
+            routed += [e for e in events if e[0] != "content"]
+            if content or final:
+                routed += self._tools.feed(content, final)
+            events = routed
+        return self._deltas(events)
+
+    def _deltas(self, events: list[Event]) -> list[dict]:
+        deltas: list[dict] = []
+        last: tuple | None = None  # (kind, index) of deltas[-1], to merge consecutive fragments
+        for event in events:
+            kind = event[0]
+            if kind == "call":
+                _, index, call_id, name = event  # type: ignore[misc]
+                self.has_tool_calls = True
+                deltas.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                               "function": {"name": name, "arguments": ""}}]})
+                last = ("call", index)
+            elif kind == "args":
+                _, index, fragment = event  # type: ignore[misc]
+                if not fragment:
+                    continue
+                if last == ("args", index):
+                    deltas[-1]["tool_calls"][0]["function"]["arguments"] += fragment
+                else:
+                    deltas.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
+                    last = ("args", index)
+            else:
+                text = event[1]
+                if not text:
+                    continue
+                if last == (kind, None):
+                    deltas[-1][kind] += text
+                else:
+                    deltas.append({kind: text})
+                    last = (kind, None)
+        return deltas
