@@ -1,0 +1,172 @@
+"""The engine core's loop: take messages, step, send outputs; in a thread or a spawned process.
+
+It owns the core side of the protocol: in add / abort / shutdown; out ready / outputs / error / fatal /
+stats / queued. It must not import asyncio, text or the server: a spawned core loads only the engine.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rawserve.engine.ipc import Message, Receiver, Sender
+
+log = logging.getLogger("rawserve.engine.core_loop")
+
+STATS_INTERVAL_S = 0.25
+_PARENT_POLL_S = 1.0  # an idle child checks this often that its parent still exists
+
+
+class _FrontendGone(Exception):
+    """The outputs transport broke: nobody is left to serve."""
+
+
+def _send(outputs: Sender, msgs: list[Message]) -> None:
+    try:
+        outputs.send(msgs)
+    except OSError as error:  # BrokenPipeError etc.: the frontend exited
+        raise _FrontendGone(repr(error)) from error
+
+
+def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
+             stats_interval_s: float = STATS_INTERVAL_S) -> None:
+    """Build the core with `factory()` and serve it until `shutdown`, a fatal error or end of input.
+
+    Blocks only when idle; while requests run, it takes every waiting message and steps at once, so
+    a burst of new requests joins the next step. A request the core rejects (ValueError) fails alone
+    with `error`. Any other exception from the core is `fatal` and ends the loop: block tables and
+    computed-token counts may be inconsistent, and serving on risks one request reading another's KV.
+
+    Out: ("ready", {max_model_len, num_blocks, vocab_size, pid}), ("outputs", [RequestOutput]) once per
+    step, ("error", (rid, message)), ("fatal", message), ("stats", EngineStats) every stats_interval_s
+    while busy and whenever the core goes idle, ("queued", [(rid, seconds)]) when requests are first
+    scheduled. Several go out in one send.
+    """
+    try:
+        try:
+            core = factory()
+        except Exception as error:  # noqa: BLE001 - reported to the frontend; start() raises it
+            log.exception("engine core failed to start")
+            _send(outputs, [("fatal", f"engine failed to start: {error!r}")])
+            return
+        _send(outputs, [("ready", {"max_model_len": core.max_model_len, "num_blocks": core.num_blocks,
+                                   "vocab_size": core.vocab_size, "pid": os.getpid()}),
+                        ("stats", core.stats())])
+        _serve(core, inputs, outputs, stats_interval_s)
+    except _FrontendGone as error:
+        log.warning("engine frontend is gone (%s); core loop exits", error)
+    except Exception as error:  # noqa: BLE001 - a fault outside step() (stats, transport): every request sees it
+        log.exception("engine core loop failed")
+        try:
+            outputs.send([("fatal", f"engine core loop failed: {error!r}")])
+        except OSError:
+            pass
+    finally:
+        try:
+            outputs.close()
+        except OSError:  # the frontend already closed its end
+            pass
+
+
+def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float) -> None:
+    # In a spawned child, a parent killed by SIGKILL never closes our input; poll for it when idle.
+    parent = multiprocessing.parent_process()
+    queue_times = _QueueTimes(core)
+    was_busy = False
+    last_stats = time.monotonic()
+    while True:
+        is_busy = core.has_unfinished
+        if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
+            _send(outputs, [("stats", core.stats())])
+            last_stats = time.monotonic()
+        was_busy = is_busy
+        try:
+            msgs = inputs.recv(0 if is_busy else None if parent is None else _PARENT_POLL_S)
+        except EOFError:  # the frontend closed its end: nobody will send more work
+            return
+        if not msgs and not is_busy and parent is not None and not parent.is_alive():
+            log.warning("engine frontend process died; core loop exits")
+            return
+        replies: list[Message] = []
+        for kind, payload in msgs:
+            if kind == "shutdown":
+                _send(outputs, replies)
+                return
+            if kind == "add":
+                try:
+                    core.add_request(payload.rid, payload.prompt_ids, payload.params, payload.priority,
+                                     lora=payload.lora, features=payload.features, cache_salt=payload.cache_salt)
+                    queue_times.added(payload.rid)
+                except ValueError as error:  # rejected: this request fails alone
+                    replies.append(("error", (payload.rid, str(error))))
+                except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
+                    log.exception("engine core failed in add_request")
+                    _send(outputs, [*replies, ("fatal", f"engine add_request failed: {error!r}")])
+                    return
+            elif kind == "abort":
+                queue_times.aborted(payload)
+                try:
+                    core.abort_request(payload)
+                except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
+                    log.exception("engine core failed in abort_request")
+                    _send(outputs, [*replies, ("fatal", f"engine abort_request failed: {error!r}")])
+                    return
+            else:
+                log.error("core loop ignores unknown message kind %r", kind)
+        if not core.has_unfinished:
+            _send(outputs, replies)
+            continue
+        try:
+            step_started = time.monotonic()
+            step_outputs = core.step()
+            if step_outputs:
+                replies.append(("outputs", step_outputs))
+            queued = queue_times.scheduled(step_started)
+            if queued:
+                replies.append(("queued", queued))
+            now = time.monotonic()
+            if now - last_stats >= stats_interval_s:
+                replies.append(("stats", core.stats()))
+                last_stats = now
+        except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
+            log.exception("engine core step failed")
+            _send(outputs, [*replies, ("fatal", f"engine step failed: {error!r}")])
+            return
+        was_busy = True  # it stepped: report stats when it next finds itself idle
+        _send(outputs, replies)
+
+
+class _QueueTimes:
+    """When each request was first scheduled, for request_queue_time_seconds (vLLM: queued -> scheduled).
+
+    EngineCore reports no scheduling times, so this reads its request table: a Request's
+    num_cached_tokens is -1 until the scheduler first admits it. A core without `requests` (a test
+    fake) reports none. Preemption and re-queueing are not counted, as in vLLM.
+    """
+
+    def __init__(self, core: Any) -> None:
+        self._requests = getattr(core, "requests", None)
+        self._since: dict[str, float] = {}
+
+    def added(self, rid: str) -> None:
+        if self._requests is not None:
+            self._since[rid] = time.monotonic()
+
+    def aborted(self, rid: str) -> None:
+        self._since.pop(rid, None)
+
+    def scheduled(self, step_started: float) -> list[tuple[str, float]]:
+        """(rid, seconds waited) for requests the step that began at step_started admitted."""
+        if not self._since:
+            return []
+        done = []
+        for rid, since in self._since.items():
+            req = self._requests.get(rid)
+            if req is None or req.num_cached_tokens >= 0:  # admitted (None: admitted and finished this step)
+                done.append((rid, max(step_started - since, 0.0)))
+        for rid, _ in done:
+            del self._since[rid]
+        return done

@@ -1,0 +1,181 @@
+"""Counters, histograms and gauges rendered in Prometheus's text exposition format (0.0.4).
+
+Standard library only, no client library. It measures nothing itself: the engine frontend feeds it
+observations, and /metrics calls `render`. Names follow vLLM's with a `rawserve:` prefix.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+PREFIX = "rawserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's bucket boundaries, so dashboards built for vllm:* keep their meaning.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    kind: str  # counter | gauge | histogram
+    help: str
+    buckets: tuple[float, ...] = ()
+    label: str | None = None  # the one extra label besides model_name, if any
+    label_values: tuple[str, ...] = ()  # rendered (as 0) before the first observation
+
+
+SPECS: dict[str, MetricSpec] = {
+    "time_to_first_token_seconds": MetricSpec("histogram", "Time from arrival to the first output token.",
+                                              TTFT_BUCKETS),
+    "inter_token_latency_seconds": MetricSpec("histogram", "Time between output tokens of one request.",
+                                              ITL_BUCKETS),
+    "e2e_request_latency_seconds": MetricSpec("histogram", "Time from arrival to the last output token.",
+                                              REQUEST_BUCKETS),
+    "request_queue_time_seconds": MetricSpec("histogram", "Time a request waited before it was scheduled.",
+                                             REQUEST_BUCKETS),
+    "request_success_total": MetricSpec("counter", "Finished requests by finish reason.",
+                                        label="finished_reason", label_values=FINISH_REASONS),
+    "prompt_tokens_total": MetricSpec("counter", "Prefilled prompt tokens."),
+    "generation_tokens_total": MetricSpec("counter", "Generated output tokens."),
+    "prefix_cache_queries_total": MetricSpec("counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits_total": MetricSpec("counter", "Prompt tokens found in the prefix cache."),
+    "num_preemptions_total": MetricSpec("counter", "Requests preempted to free KV blocks."),
+    "num_requests_running": MetricSpec("gauge", "Requests in the running batch."),
+    "num_requests_waiting": MetricSpec("gauge", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": MetricSpec("gauge", "Fraction of KV cache blocks in use (0 to 1)."),
+    "requests_in_flight": MetricSpec("gauge", "Requests the frontend is serving."),
+}
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    """One server's metrics. Thread-safe: the frontend observes on the event loop, /metrics may render
+    from anywhere."""
+
+    def __init__(self, model_name: str, prefix: str = PREFIX) -> None:
+        self.model_name = model_name
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, str | None], float] = {}
+        self._gauges: dict[str, float] = {}
+        # name -> (per-bucket counts with a final +Inf slot, [sum, count])
+        self._histograms: dict[str, tuple[list[int], list[float]]] = {}
+        for name, spec in SPECS.items():
+            if spec.kind == "counter":
+                for label_value in spec.label_values or (None,):
+                    self._counters[(name, label_value)] = 0.0
+            elif spec.kind == "histogram":
+                self._histograms[name] = ([0] * (len(spec.buckets) + 1), [0.0, 0])
+
+    @staticmethod
+    def _spec(name: str, kind: str) -> MetricSpec:
+        spec = SPECS.get(name)
+        if spec is None:
+            raise ValueError(f"unknown metric {name!r}")
+        if spec.kind != kind:
+            raise ValueError(f"metric {name!r} is a {spec.kind}, not a {kind}")
+        return spec
+
+    def _counter_key(self, name: str, label_value: str | None) -> tuple[str, str | None]:
+        spec = self._spec(name, "counter")
+        if (spec.label is None) != (label_value is None):
+            raise ValueError(f"metric {name!r} takes label {spec.label!r}" if spec.label
+                             else f"metric {name!r} takes no label")
+        return name, label_value
+
+    def inc(self, name: str, value: float = 1.0, label_value: str | None = None) -> None:
+        """Add to a counter. `label_value` fills the counter's one label (finished_reason)."""
+        if value < 0:
+            raise ValueError(f"counter {name!r} cannot decrease (got {value})")
+        key = self._counter_key(name, label_value)
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0.0) + value
+
+    def set_total(self, name: str, value: float) -> None:
+        """Mirror a counter the engine core keeps itself (prefix cache, preemptions): set its total."""
+        key = self._counter_key(name, None)
+        with self._lock:
+            self._counters[key] = float(value)
+
+    def set_gauge(self, name: str, value: float) -> None:
+        self._spec(name, "gauge")
+        with self._lock:
+            self._gauges[name] = float(value)
+
+    def observe(self, name: str, value: float) -> None:
+        self.observe_many(name, (value,))
+
+    def observe_many(self, name: str, values: Iterable[float]) -> None:
+        """Several observations under one lock: the frontend records a whole step's latencies at once."""
+        spec = self._spec(name, "histogram")
+        buckets = spec.buckets
+        with self._lock:
+            counts, total = self._histograms[name]
+            for value in values:
+                # bisect_left: a value equal to a bound belongs in that bound's bucket (le = less or equal)
+                counts[bisect.bisect_left(buckets, value)] += 1
+                total[0] += value
+                total[1] += 1
+
+    def counter_value(self, name: str, label_value: str | None = None) -> float:
+        key = self._counter_key(name, label_value)
+        with self._lock:
+            return self._counters.get(key, 0.0)
+
+    def histogram_count(self, name: str) -> int:
+        self._spec(name, "histogram")
+        with self._lock:
+            return int(self._histograms[name][1][1])
+
+    def render(self, gauges: Mapping[str, float] | None = None) -> str:
+        """The /metrics page. `gauges` overrides stored gauge values for this rendering."""
+        for name in gauges or {}:
+            self._spec(name, "gauge")
+        model = f'model_name="{_label_value(self.model_name)}"'
+        lines: list[str] = []
+        with self._lock:
+            gauge_values = {**self._gauges, **(gauges or {})}
+            for name, spec in SPECS.items():
+                full = self.prefix + name
+                lines.append(f"# HELP {full} {spec.help}")
+                lines.append(f"# TYPE {full} {spec.kind}")
+                if spec.kind == "counter":
+                    rows = sorted((lv, v) for (n, lv), v in self._counters.items() if n == name)
+                    for label_value, value in rows:
+                        labels = model if label_value is None else \
+                            f'{model},{spec.label}="{_label_value(label_value)}"'
+                        lines.append(f"{full}{{{labels}}} {_number(value)}")
+                elif spec.kind == "gauge":
+                    lines.append(f"{full}{{{model}}} {_number(gauge_values.get(name, 0.0))}")
+                else:
+                    counts, (total, count) = self._histograms[name]
+                    running = 0
+                    for bound, bucket_count in zip((*spec.buckets, math.inf), counts):
+                        running += bucket_count
+                        le = "+Inf" if math.isinf(bound) else repr(float(bound))  # "1.0", as client libraries write it
+                        lines.append(f'{full}_bucket{{{model},le="{le}"}} {running}')
+                    lines.append(f"{full}_sum{{{model}}} {_number(total)}")
+                    lines.append(f"{full}_count{{{model}}} {_number(count)}")
+        return "\n".join(lines) + "\n"
