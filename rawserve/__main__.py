@@ -1,14 +1,16 @@
-"""python -m rawserve: flags -> configs -> engine. `generate` runs the engine offline on one prompt.
+"""python -m rawserve: flags -> configs -> engine, then the OpenAI server. `generate` runs offline.
 
 Without --model-dir the built-in demo model is used (built locally on first use, then cached).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
 import time
 
-from rawserve.config import EngineConfig, add_arguments, build_parser
+from rawserve.config import EngineConfig, ServerConfig, add_arguments, build_parser, configs_from_args
 
 
 def generate_main(argv: list[str]) -> int:
@@ -55,15 +57,44 @@ def generate_main(argv: list[str]) -> int:
     return 0
 
 
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    from rawserve.api.app import OpenAIServer
+    from rawserve.errors import EngineDead
+
+    server = OpenAIServer(engine_config, server_config)
+    try:
+        await server.start()
+    except EngineDead as error:
+        print(f"rawserve: the engine failed to start: {error}", file=sys.stderr)
+        return 1
+    print(f"rawserve: serving {server.model_name!r} on http://{server_config.host}:{server.port}/v1 "
+          f"(engine in a {server_config.engine_mode}; Ctrl-C to stop)", file=sys.stderr, flush=True)
+    return await server.serve()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "generate":
         return generate_main(argv[1:])
     parser = build_parser()
-    parser.epilog = "Subcommands: `generate` runs the engine offline on one prompt (see `generate --help`)."
-    parser.parse_args(argv)
-    parser.error("the HTTP server arrives with the OpenAI API layer; use `python -m rawserve generate` for now")
-    return 2
+    parser.epilog = "Subcommand: `generate` runs the engine offline on one prompt (see `generate --help`)."
+    args = parser.parse_args(argv)
+    try:
+        engine_config, server_config = configs_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine_config.model_dir is None:
+        from rawserve.demo_model import ensure_demo_model
+
+        engine_config.model_dir = str(ensure_demo_model())
+        if server_config.served_model_name is None:
+            server_config.served_model_name = "rawserve-demo"
+    try:
+        return asyncio.run(serve(engine_config, server_config))
+    except ValueError as error:  # a bad flag found while loading (a parser name, --max-model-len, ...)
+        print(f"rawserve: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

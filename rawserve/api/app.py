@@ -1,0 +1,91 @@
+"""Assemble the OpenAI server: tokenizer, template and defaults from the checkpoint, the engine frontend,
+the routes, and the HTTP server's lifecycle (start, graceful drain, engine stop).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+from collections.abc import Callable
+
+from rawserve.api import admin
+from rawserve.api.chat import create_chat_completion
+from rawserve.api.completions import create_completion
+from rawserve.api.serving import ServingContext
+from rawserve.config import EngineConfig, ServerConfig
+from rawserve.engine.async_llm import AsyncLLM
+from rawserve.engine.core import make_engine_core
+from rawserve.http import HTTPServer, Router
+from rawserve.metrics import Metrics
+from rawserve.text.chat_template import load_chat_template
+from rawserve.text.defaults import GenerationDefaults
+from rawserve.text.parsers import check_parser_names
+from rawserve.text.tokenizer import Tokenizer
+
+log = logging.getLogger("rawserve")
+
+
+def build_router(ctx: ServingContext, is_draining: Callable[[], bool]) -> Router:
+    router = Router()
+    router.add("POST", "/v1/completions", functools.partial(create_completion, ctx))
+    router.add("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx))
+    router.add("GET", "/v1/models", functools.partial(admin.list_models, ctx))
+    router.add("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx))
+    router.add("GET", "/health", admin.health(ctx, is_draining))
+    router.add("GET", "/metrics", functools.partial(admin.metrics, ctx))
+    router.add("GET", "/version", functools.partial(admin.version, ctx))
+    router.add("POST", "/tokenize", functools.partial(admin.tokenize, ctx))
+    router.add("POST", "/detokenize", functools.partial(admin.detokenize, ctx))
+    return router
+
+
+class OpenAIServer:
+    """The whole server in one object: `await start()`, `.port`, `await serve()`, `await stop()`."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        if engine_config.model_dir is None:
+            raise ValueError("--model-dir: the server needs a checkpoint directory")
+        check_parser_names(server_config.reasoning_parser, server_config.tool_call_parser)
+        self.engine_config = engine_config
+        self.server_config = server_config
+        model_dir = pathlib.Path(engine_config.model_dir)
+        self.model_name = server_config.served_model_name or model_dir.resolve().name
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.chat_template = load_chat_template(model_dir, server_config.chat_template)
+        self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer)
+        self.llm = AsyncLLM(functools.partial(make_engine_core, engine_config), self.tokenizer,
+                            mode=server_config.engine_mode, max_pending=server_config.max_pending,
+                            request_timeout_s=server_config.request_timeout_s,
+                            metrics=Metrics(self.model_name), model_name=self.model_name)
+        self.http: HTTPServer | None = None
+
+    @property
+    def port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
+    async def start(self) -> None:
+        """Load the model (in the core) and bind; raises EngineDead if the core cannot start."""
+        await self.llm.start()
+        info = self.llm.info or {}
+        ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
+                             info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
+                             self.server_config.reasoning_parser, self.server_config.tool_call_parser)
+        self.context = ctx
+        self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining))
+        try:
+            await self.http.start()
+        except BaseException:
+            await self.llm.stop(0)
+            raise
+
+    async def serve(self, install_signal_handlers: bool = True) -> int:
+        """Serve until SIGTERM/SIGINT (or stop()); drain, stop the engine, return the exit status."""
+        assert self.http is not None, "start() first"
+        status = await self.http.serve_until_shutdown(install_signal_handlers)
+        await self.llm.stop(0)
+        return status
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.shutdown()
+        await self.llm.stop(0)

@@ -1,0 +1,174 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine; reasoning and tool calls parsed from the
+output; the response or its SSE chunks in OpenAI's shapes.
+
+Refusals (bad fields, template errors, overload) are raised before any header; errors after the
+stream started go out as an SSE error event (http/sse.py).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from rawserve.api.protocol import ChatMessage, ChatRequest
+from rawserve.api.serving import ServingContext, chat_logprobs, check_logprobs, merge, stream_error, usage
+from rawserve.errors import APIError
+from rawserve.http import JSONResponse, Request, SSEResponse, parse
+from rawserve.text.chat_template import render_chat
+from rawserve.text.parsers import OutputParser, prompt_opens_reasoning
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Typed messages -> the plain dicts chat templates expect (text parts joined, arguments as objects)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"Content part type {part.get('type')!r} is not supported; only 'text' "
+                                        "parts are.", param=f"messages.{i}.content.{j}")
+                parts.append(part["text"])
+            content = "".join(parts)
+        message: dict = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                try:  # templates (Llama 3's, Hermes') iterate over arguments as a mapping
+                    arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+                except ValueError:
+                    arguments = call.function.arguments
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
+    """-> (prompt text, whether tool calls are parsed)."""
+    if not req.messages:
+        raise APIError(400, "messages must be a non-empty array.", param="messages")
+    if ctx.chat_template is None:
+        raise APIError(400, "This model has no chat template; use /v1/completions or start the server with "
+                            "--chat-template.", param="messages")
+    choice = req.tool_choice
+    if choice == "required" or isinstance(choice, dict):
+        raise APIError(400, "tool_choice 'required' or a named function needs guided decoding, which this "
+                            "server does not support yet; use 'auto' or 'none'.", param="tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, f"response_format {req.response_format.type!r} needs guided decoding, which this "
+                            "server does not support yet.", param="response_format")
+    tools = None
+    if req.tools and choice != "none":
+        tools = [{"type": "function", "function": {k: v for k, v in (
+            ("name", t.function.name), ("description", t.function.description),
+            ("parameters", t.function.parameters)) if v is not None}} for t in req.tools]
+    kwargs = dict(req.chat_template_kwargs or {})
+    tok = ctx.tokenizer
+    messages = message_dicts(req.messages)
+    add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
+    try:
+        text = render_chat(ctx.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **kwargs)
+    except ValueError as error:
+        raise APIError(400, f"Chat template error: {error}", param="messages") from None
+    if req.continue_final_message:
+        last = messages[-1].get("content") or ""
+        cut = text.rfind(last) if last else -1
+        if cut >= 0:
+            text = text[:cut + len(last)]
+    return text, tools is not None
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONResponse | SSEResponse:
+    req = parse(ChatRequest, request.json())
+    ctx.check_model(req.model)
+    check_logprobs(req.top_logprobs, "top_logprobs")
+    if req.max_completion_tokens is not None:
+        req.max_tokens = req.max_completion_tokens
+    text, use_tools = render_prompt(ctx, req)
+    # The template already put BOS (or not) where the model wants it.
+    ids = await ctx.encode(text, add_special_tokens=False)
+    ctx.check_prompt_ids(ids, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = ctx.start_streams([ids], params, rid, req)
+    opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
+    parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
+                            starts_in_reasoning=opened) for _ in streams]
+    base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
+    if req.stream:
+        return SSEResponse(_chunks(ctx, req, streams, parsers, base, len(ids)))
+    messages = [{"role": "assistant", "content": ""} for _ in streams]
+    entries: list[list] = [[] for _ in streams]
+    finish: list[tuple] = [(None, None)] * len(streams)
+    completion_tokens = cached = 0
+    try:
+        async for k, out in merge(streams):
+            for delta in parsers[k].feed(out.text, final=out.finished):
+                _accumulate(messages[k], delta)
+            entries[k] += out.logprobs or []
+            if out.finished:
+                reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
+                finish[k] = (reason, out.stop_reason)
+                completion_tokens += out.num_output_tokens
+                cached += out.num_cached_tokens
+    except Exception as error:  # the engine's failure, shown to this client only
+        raise stream_error(error) from None
+    choices = []
+    for k, message in enumerate(messages):
+        if message.get("tool_calls") and not message["content"]:
+            message["content"] = None
+        choices.append({"index": k, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, entries[k])
+                        if req.logprobs else None, "finish_reason": finish[k][0], "stop_reason": finish[k][1]})
+    return JSONResponse({**base, "object": "chat.completion", "choices": choices,
+                         "usage": usage(len(ids), completion_tokens, cached)})
+
+
+def _accumulate(message: dict, delta: dict) -> None:
+    """Fold one streamed delta into a whole message (non-streaming responses)."""
+    for key in ("content", "reasoning_content"):
+        if key in delta:
+            message[key] = (message.get(key) or "") + delta[key]
+    for call in delta.get("tool_calls", ()):
+        calls = message.setdefault("tool_calls", [])
+        if "id" in call:
+            calls.append({"id": call["id"], "type": "function",
+                          "function": {"name": call["function"]["name"], "arguments": ""}})
+        calls[-1]["function"]["arguments"] += call["function"].get("arguments", "")
+
+
+async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
+                  prompt_tokens: int) -> AsyncIterator[dict]:
+    base = {**base, "object": "chat.completion.chunk"}
+    for k in range(len(streams)):
+        yield {**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}]}
+    completion_tokens = cached = 0
+    try:
+        async for k, out in merge(streams):
+            lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
+            deltas = parsers[k].feed(out.text, final=out.finished) or ([{}] if lp else [])
+            for delta in deltas:
+                yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+                lp = None
+            if out.finished:
+                reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
+                yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                            "stop_reason": out.stop_reason}]}
+                completion_tokens += out.num_output_tokens
+                cached += out.num_cached_tokens
+    except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]
+        raise stream_error(error) from None
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}

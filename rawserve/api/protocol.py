@@ -1,0 +1,130 @@
+"""Request schemas of the OpenAI API (plus vLLM's extensions), as dataclasses for http.schema.parse.
+
+Field names and defaults follow OpenAI's. None means "the server's default" (generation_config.json).
+Unknown fields are ignored by parse(), since clients send fields like `user` a server may not use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(slots=True)
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@dataclass(slots=True)
+class SamplingFields:
+    """Fields both endpoints share."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+@dataclass(slots=True)
+class FunctionCall:
+    name: str
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ToolCall:
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+@dataclass(slots=True)
+class FunctionDefinition:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@dataclass(slots=True)
+class Tool:
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+@dataclass(slots=True)
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+@dataclass(slots=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None

@@ -1,0 +1,223 @@
+"""What both OpenAI endpoints share: the serving context, request fields -> SamplingParams, admission,
+fan-out of n samples and the merge of their streams, usage and logprobs in OpenAI's shapes.
+
+Every refusal here is an APIError raised before a response header is sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from rawserve.api.protocol import SamplingFields
+from rawserve.engine.async_llm import AsyncLLM, RequestStream, TextOutput
+from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from rawserve.errors import APIError, EngineDead, Overloaded
+from rawserve.text.defaults import GenerationDefaults
+from rawserve.text.tokenizer import Tokenizer
+
+# Prompts longer than this are tokenized in a thread, so the event loop keeps serving others.
+_THREAD_TOKENIZE_CHARS = 8192
+
+
+@dataclass(slots=True)
+class ServingContext:
+    llm: AsyncLLM
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int  # the model's logits width (ids past the tokenizer's are padding rows)
+    defaults: GenerationDefaults
+    chat_template: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str = "hermes"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
+                           type="NotFoundError")
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    def sampling_params(self, req: SamplingFields, prompt_len: int, default_max_tokens: int | None,
+                        prompt_param: str, *, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Request fields -> SamplingParams with the checkpoint's defaults; a 400 naming the field if bad."""
+        if req.guided_json is not None or req.guided_regex is not None:
+            raise APIError(400, "Guided decoding (guided_json, guided_regex) is not supported by this server yet.",
+                           param="guided_json" if req.guided_json is not None else "guided_regex")
+        if prompt_len >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your prompt has {prompt_len} tokens, leaving no room for a completion.",
+                           param=prompt_param, code="context_length_exceeded")
+        max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - prompt_len
+        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                                "completion.", param="max_tokens", code="context_length_exceeded")
+        d = self.defaults
+
+        def pick(value, default, fallback):
+            return value if value is not None else (default if default is not None else fallback)
+
+        try:
+            bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings).",
+                           param="logit_bias") from None
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        stop_ids = tuple(req.stop_token_ids or ())
+        if not req.ignore_eos:
+            stop_ids += tuple(i for i in d.eos_token_ids if i not in stop_ids)
+        try:
+            params = SamplingParams(
+                n=req.n, max_tokens=max_tokens, temperature=pick(req.temperature, d.temperature, 1.0),
+                top_p=pick(req.top_p, d.top_p, 1.0), top_k=pick(req.top_k, d.top_k, 0),
+                min_p=pick(req.min_p, d.min_p, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty, 1.0),
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
+                stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logit_bias=bias or None,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+            params.validate(self.vocab_size)
+        except ValueError as error:
+            name, _, message = str(error).partition(": ")
+            raise APIError(400, str(error), param=name if message else None) from None
+        if params.n > 128:
+            raise APIError(400, f"n must be at most 128, got {params.n}.", param="n")
+        return params
+
+    def check_prompt_ids(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", param=param)
+
+    def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
+                      req: SamplingFields) -> list[RequestStream]:
+        """One engine request per (prompt, sample); choice index = prompt * n + sample.
+
+        Admission is all-or-nothing: a refusal part-way aborts the streams already started.
+        """
+        if self.llm.num_in_flight + len(prompts) * params.n > self.llm.max_pending:
+            raise overloaded(Overloaded(f"{self.llm.num_in_flight} requests in flight; this one needs "
+                                        f"{len(prompts) * params.n} more (max_pending={self.llm.max_pending})"))
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                for j in range(params.n):
+                    child = params.child(j) if params.n > 1 else params
+                    streams.append(self.llm.generate(ids, child, f"{rid}-{i}-{j}", req.priority,
+                                                     cache_salt=req.cache_salt))
+        except (Overloaded, EngineDead) as error:
+            for stream in streams:
+                self.llm.abort(stream.request_id)
+            raise overloaded(error) from None
+        except ValueError as error:
+            for stream in streams:
+                self.llm.abort(stream.request_id)
+            raise APIError(400, str(error)) from None
+        return streams
+
+
+def overloaded(error: Exception) -> APIError:
+    if isinstance(error, EngineDead):
+        return APIError(503, f"The engine is not available: {error}", code="engine_dead")
+    return APIError(503, f"The server is overloaded: {error}", code="overloaded")
+
+
+def stream_error(error: BaseException) -> APIError:
+    """An exception raised by an engine stream, as the APIError a client sees."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, (EngineDead, Overloaded)):
+        return overloaded(error)
+    if isinstance(error, TimeoutError):
+        return APIError(408, "The request exceeded the server's request timeout.", code="timeout")
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    return APIError(500, "The engine failed while generating.", code="internal_error")
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TextOutput]]:
+    """Interleave the streams' outputs as they arrive, as (stream index, output).
+
+    Leaving early (an exception, or the consumer being cancelled) closes every stream, which aborts
+    its request in the core.
+    """
+    if len(streams) == 1:  # the common case, without a task per step
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(s.__anext__()): k for k, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                k = pending.pop(future)
+                try:
+                    out = future.result()
+                except StopAsyncIteration:
+                    continue
+                yield k, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(streams[k].__anext__())] = k
+    finally:
+        for future in pending:
+            future.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param=param)
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and raw bytes, as OpenAI's logprobs report them."""
+    raw = tokenizer.token_bytes(token_id) if 0 <= token_id < tokenizer.vocab_size else b""
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
+    content = []
+    for token_id, logprob, _rank, top in entries:
+        text, raw = token_text(tokenizer, token_id)
+        tops = []
+        for top_id, top_lp in top:
+            top_text, top_raw = token_text(tokenizer, top_id)
+            tops.append({"token": top_text, "logprob": top_lp, "bytes": top_raw})
+        content.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": tops})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int) -> dict:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, logprob, _rank, top in entries:
+        text, _ = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        top_logprobs.append({token_text(tokenizer, i)[0]: lp for i, lp in top})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
