@@ -1,0 +1,94 @@
+"""Per-request state inside the core: tokens so far, KV progress, block table, prefix keys, stop sets.
+
+Plain data the scheduler, sampler and EngineCore share; it decides nothing and never crosses the queue.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from rawserve.engine.kv_cache import extend_block_hashes, extra_key
+from rawserve.engine.types import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue; its KV is gone and will be recomputed
+    FINISHED = 3
+
+
+class Request:
+    """One sequence. token_ids grows in place (prompt, then outputs) and is never rebuilt, so per-step work
+    stays independent of the sequence's length."""
+
+    __slots__ = (
+        "rid", "params", "priority", "arrival", "lora", "features", "cache_salt", "token_ids",
+        "num_prompt_tokens", "num_output_tokens", "num_computed_tokens", "num_cached_tokens", "block_ids",
+        "block_hashes", "hash_extra", "is_cacheable", "num_published_blocks", "status", "finish_reason",
+        "stop_reason", "eos_ids", "stop_ids", "min_tokens_ban", "prompt_logprobs", "prompt_logprobs_done",
+        "generator", "penalty_slot", "needs_penalties", "is_plain_greedy", "bias_ids", "bias_values",
+        "sampling_row",
+    )
+
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                 arrival: int = 0, eos_token_ids: tuple[int, ...] = (), lora: str | None = None,
+                 features: object | None = None, cache_salt: str | None = None) -> None:
+        self.rid = rid
+        self.params = params
+        self.priority = priority
+        self.arrival = arrival  # admission order among equal priorities
+        self.lora = lora
+        self.features = features
+        self.cache_salt = cache_salt
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_output_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose KV is in this request's blocks
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # one key per full block of token_ids
+        self.hash_extra = extra_key(lora, cache_salt)
+        # Features (e.g. image embeddings) change the KV of the tokens that stand for them, and the token ids
+        # alone cannot say which: such a request neither reads nor publishes cached blocks.
+        self.is_cacheable = features is None
+        self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        # EOS ends a request with stop_reason None; an explicit stop id reports itself (as vLLM does).
+        self.eos_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.stop_ids = frozenset(params.stop_token_ids)
+        # Ids held back while fewer than min_tokens were generated: whatever would stop the request
+        # (so EOS is not held back under ignore_eos, where it does not stop anything).
+        self.min_tokens_ban = tuple(sorted(self.eos_ids | self.stop_ids)) if params.min_tokens else ()
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_done = params.prompt_logprobs is None
+        self.generator: torch.Generator | None = None  # the sampler makes it on first use (device-bound)
+        self.penalty_slot = -1  # the sampler's penalty-state row, -1 when none
+        self.needs_penalties = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                                or params.frequency_penalty != 0.0)
+        bias = params.logit_bias or {}
+        self.bias_ids = [int(t) for t in bias]
+        self.bias_values = [float(v) for v in bias.values()]
+        self.is_plain_greedy = (params.temperature == 0 and not self.needs_penalties and not bias
+                                and not params.min_tokens)
+        # One row of the sampler's per-step parameter table; greedy rows divide by 1, not 0.
+        self.sampling_row = (params.temperature if params.temperature > 0 else 1.0, float(params.top_k),
+                             params.top_p, params.min_p)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        extend_block_hashes(self.block_hashes, self.token_ids, block_size, self.hash_extra)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority as vLLM orders it (lower value wins), then arrival."""
+        return (self.priority, self.arrival)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.rid!r}, {self.status.name}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,145 @@
+"""Who computes what this step: a waiting queue by (priority, arrival), a running set, a token budget with
+chunked prefill, and preemption by recompute when KV blocks run out.
+
+It moves block ids and counters only; running the model and sampling belong to EngineCore.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+
+from rawserve.engine.kv_cache import KVCacheManager
+from rawserve.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """One step's plan is a list of (request, num_new_tokens).
+
+    Decodes are served before prefill chunks, so a long prompt spread over steps takes only the budget the
+    running decodes leave. `running` stays sorted by (priority, arrival), so the request to preempt, the
+    lowest-priority latest one, is always its last element.
+    """
+
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {max_num_batched_tokens}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # A heap of (priority, arrival, tiebreak, request): the tiebreak keeps Requests from being compared.
+        self.waiting: list[tuple[int, int, int, Request]] = []
+        self._tiebreak = itertools.count()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._has_finished_running = False  # running holds finished requests to drop at the next step
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        if self._has_finished_running:
+            self._drop_finished()
+        return len(self.running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or self.num_running > 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
+
+    def finish(self, req: Request, reason: str, stop_reason: int | None = None) -> None:
+        """End a request wherever it is and give its blocks back (published ones stay in the cache)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self._has_finished_running = True  # dropped from `running` in one pass, not one remove each
+        else:
+            # Waiting: aborts are rare next to steps, so an O(n) removal beats tombstones in the heap.
+            self.waiting = [entry for entry in self.waiting if entry[3] is not req]
+            heapq.heapify(self.waiting)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        self.kv.free(req.block_ids)
+
+    def _drop_finished(self) -> None:
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self._has_finished_running = False
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: drop the KV, keep the tokens. The request keeps its queue position, so it
+        resumes before anything that arrived after it, and its outputs so far are kept."""
+        self.running.remove(req)
+        self.kv.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.num_published_blocks = 0
+        if not req.prompt_logprobs_done:
+            req.prompt_logprobs = []  # the prompt will be computed again from its first token
+        req.status = RequestStatus.PREEMPTED
+        heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        if self._has_finished_running:
+            self._drop_finished()
+        kv = self.kv
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        preempted = False
+
+        # Decodes first (one token each), then chunks of prompts already under way.
+        decodes, prefills = [], []
+        for req in self.running:
+            (decodes if req.num_tokens - req.num_computed_tokens == 1 else prefills).append(req)
+        for req in decodes + prefills if prefills else decodes:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not kv.allocate(req.block_ids, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[req] = num_new
+                budget -= num_new
+
+        # Admit from the queue only when nobody had to yield blocks: otherwise a newcomer would take the
+        # blocks a preempted request needs to resume.
+        if not preempted:
+            waiting = self.waiting
+            bs = kv.block_size
+            while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = waiting[0][3]
+                num_tokens = req.num_tokens
+                use_cache = kv.enable_prefix_caching and req.prompt_logprobs_done and req.is_cacheable
+                # At least the last token is recomputed, so there are logits to sample from.
+                hits = kv.lookup(req.block_hashes, (num_tokens - 1) // bs) if use_cache else []
+                num_cached = len(hits) * bs
+                num_new = min(num_tokens - num_cached, budget)
+                if not kv.allocate(req.block_ids, num_cached + num_new, hits):
+                    break  # the head waits for blocks; nobody overtakes it
+                heapq.heappop(waiting)
+                if use_cache:
+                    kv.record_lookup(num_tokens, num_cached)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_cached
+                req.num_computed_tokens = num_cached
+                req.num_published_blocks = len(hits)
+                req.status = RequestStatus.RUNNING
+                bisect.insort(self.running, req, key=Request.sort_key)
+                scheduled[req] = num_new
+                budget -= num_new
+        return list(scheduled.items())
