@@ -132,9 +132,13 @@ class ModelRunner:
             n, start = len(inp.token_ids), inp.num_computed_tokens
             table = inp.block_table
             ids.extend(inp.token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:  # decode: the common case, without a generator per sequence
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = range(start, start + n)
+                positions.extend(pos)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
             offset = starts[-1]
             if inp.logits_mode == 1:
                 logit_rows.append(offset + n - 1)
@@ -150,10 +154,9 @@ class ModelRunner:
                 max_decode_len = max(max_decode_len, seq_len)
             else:
                 prefill_seq.append(i)
-        tables = torch.zeros((len(inputs), max_blocks), dtype=torch.int64)
-        for i, inp in enumerate(inputs):
-            if inp.block_table:
-                tables[i, :len(inp.block_table)] = torch.tensor(inp.block_table, dtype=torch.int64)
+        # One tensor build from padded lists: a tensor per row costs microseconds each at 256 rows.
+        tables = torch.tensor([inp.block_table + [0] * (max_blocks - len(inp.block_table)) for inp in inputs],
+                              dtype=torch.int64)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),

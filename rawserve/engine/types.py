@@ -87,8 +87,16 @@ class SamplingParams:
             bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "each stop string must be a non-empty string")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            bad("seed", f"must fit in 64 bits, got {self.seed}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            bad("stop_token_ids", "each stop token id must be an integer")
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
+                if isinstance(token_id, bool) or not isinstance(token_id, int):
+                    bad("logit_bias", f"keys must be integer token ids, got {token_id!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                    bad("logit_bias", f"bias for token {token_id} must be a number, got {bias!r}")
                 if not -100 <= bias <= 100:
                     bad("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
         if vocab_size is not None:
