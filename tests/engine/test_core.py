@@ -303,6 +303,14 @@ def test_prompt_logprobs_skip_the_prefix_cache_but_still_publish(tiny_qwen3_dir)
     assert len(outs[0].prompt_logprobs) == len(ids)
 
 
+def mutated(**fields) -> SamplingParams:
+    """Params changed after construction (as a frontend could send them): the core must re-check."""
+    params = SamplingParams()
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(rid="dup"), "already in use"),
     (dict(ids=[]), "prompt: must hold at least one token"),
@@ -312,9 +320,9 @@ def test_prompt_logprobs_skip_the_prefix_cache_but_still_publish(tiny_qwen3_dir)
     (dict(params=SamplingParams(n=2)), "n: the engine core runs one sample per request"),
     (dict(params=SamplingParams(logit_bias={999: 1.0})), "logit_bias: token id 999 is outside the vocabulary"),
     (dict(params=SamplingParams(stop_token_ids=(300,))), "stop_token_ids: token id 300 is outside"),
-    (dict(params=SamplingParams(logit_bias={"5": 1.0})), "logit_bias: token ids must be integers"),
+    (dict(params=mutated(logit_bias={"5": 1.0})), "logit_bias: token ids must be integers"),
     (dict(params=SamplingParams(max_tokens=250)), "max_tokens: the prompt's 10 tokens plus max_tokens 250"),
-    (dict(params=SamplingParams(seed=1 << 70)), "seed: must fit in 64 bits"),
+    (dict(params=mutated(seed=1 << 70)), "seed: must fit in 64 bits"),
     (dict(priority="high"), "priority: must be an integer"),
     (dict(params={"max_tokens": 3}), "params: expected SamplingParams"),
 ])
