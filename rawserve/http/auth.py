@@ -1,0 +1,52 @@
+"""Bearer API keys (`--api-key`, one or many) on /v1/*; 401 in OpenAI's shape.
+
+Only /v1 and paths under /v1/ are protected: /health and /metrics stay open for probes and
+scrapers. Knows nothing of per-key limits; that is the API layer's business.
+"""
+from __future__ import annotations
+
+import hmac
+
+from rawserve.errors import APIError
+from rawserve.http.messages import Headers
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def is_protected(path: str) -> bool:
+    return path.startswith(PROTECTED_PREFIX) or path == "/v1"
+
+
+class APIKeyAuth:
+    def __init__(self, api_keys: list[str]) -> None:
+        for key in api_keys:
+            if not key or key != key.strip():
+                raise ValueError("--api-key: a key must be non-empty without surrounding spaces")
+        self._keys = [key.encode("utf-8") for key in api_keys]
+        self.is_enabled = bool(self._keys)
+
+    def check(self, path: str, headers: Headers) -> str | None:
+        """The key a protected request presented (None when auth is off or the path is open);
+        APIError 401 when the key is missing or wrong."""
+        if not self.is_enabled or not is_protected(path):
+            return None
+        value = headers.get("authorization")
+        if value is None:
+            raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        scheme, _, key = value.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise _unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
+        presented = key.encode("latin-1")  # the header's bytes exactly as sent
+        # Compare against every key without stopping early, so the timing says nothing about
+        # which key (or how much of one) matched.
+        matched = False
+        for candidate in self._keys:
+            matched |= hmac.compare_digest(presented, candidate)
+        if not matched:
+            raise _unauthorized("Incorrect API key provided.")
+        return key
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])

@@ -1,0 +1,235 @@
+"""`parse(Type, obj)`: decoded JSON → an instance of a hand-written dataclass, or APIError 400.
+
+The error names the failing path (`messages.2.content`) in `param`. Strict on types (a bool is
+not an int; an int is accepted as a float), lenient on shape (unknown fields are ignored).
+It knows no OpenAI field; the API layer writes the dataclasses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, TypeVar
+
+from rawserve.errors import APIError
+
+T = TypeVar("T")
+Converter = Callable[[Any, str], Any]
+
+_CONVERTERS: dict[Any, Converter] = {}
+_NONE = type(None)
+# JSON kinds as orjson decodes them.
+_KIND_NAMES = {_NONE: "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+               list: "an array", dict: "an object"}
+
+
+def parse(cls: type[T], obj: Any) -> T:
+    """Build `cls` (a dataclass) from decoded JSON `obj`; APIError 400 naming the param on a mismatch."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"parse() needs a dataclass, got {cls!r}")
+    if not isinstance(obj, dict):
+        raise APIError(400, f"The request body must be a JSON object, but got {_kind(obj)} instead.")
+    return converter(cls)(obj, "")
+
+
+def converter(tp: Any) -> Converter:
+    """The (cached) function that checks and converts a value of annotation `tp`."""
+    conv = _CONVERTERS.get(tp)
+    if conv is None:
+        conv = _CONVERTERS[tp] = _build(tp)
+    return conv
+
+
+def _kind(value: Any) -> str:
+    return _KIND_NAMES.get(type(value), type(value).__name__)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _type_error(path: str, expected: str, value: Any) -> APIError:
+    return APIError(400, f"Invalid type for '{path}': expected {expected}, but got {_kind(value)} instead.",
+                    param=path or None, code="invalid_type")
+
+
+def _describe(tp: Any) -> str:
+    if tp is typing.Any:
+        return "any value"
+    if dataclasses.is_dataclass(tp):
+        return "an object"
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    if _is_union(tp):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return _KIND_NAMES.get(origin or tp, getattr(tp, "__name__", str(tp)))
+
+
+def _is_union(tp: Any) -> bool:
+    return isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+
+
+def _build(tp: Any) -> Converter:
+    if tp is typing.Any or tp is object:
+        return lambda value, path: value
+    if tp is _NONE or tp is None:
+        def none(value: Any, path: str) -> None:
+            if value is not None:
+                raise _type_error(path, "null", value)
+        return none
+    if tp is str:
+        def string(value: Any, path: str) -> str:
+            if type(value) is not str:
+                raise _type_error(path, "a string", value)
+            return value
+        return string
+    if tp is bool:
+        def boolean(value: Any, path: str) -> bool:
+            if type(value) is not bool:
+                raise _type_error(path, "a boolean", value)
+            return value
+        return boolean
+    if tp is int:
+        def integer(value: Any, path: str) -> int:
+            if type(value) is not int:  # `type is`, so True and 1.0 are refused
+                raise _type_error(path, "an integer", value)
+            return value
+        return integer
+    if tp is float:
+        def number(value: Any, path: str) -> float:
+            kind = type(value)
+            if kind is float:
+                return value
+            if kind is int:
+                return float(value)
+            raise _type_error(path, "a number", value)
+        return number
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _build_dataclass(tp)
+    if _is_union(tp):
+        return _build_union(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return _build_literal(args)
+    if tp is list or origin is list:
+        item = converter(args[0]) if args else converter(typing.Any)
+
+        def array(value: Any, path: str) -> list:
+            if type(value) is not list:
+                raise _type_error(path, "an array", value)
+            return [item(v, _join(path, i)) for i, v in enumerate(value)]
+        return array
+    if tp is dict or origin is dict:
+        if args and args[0] is not str:
+            raise TypeError(f"dict keys must be str in a JSON schema, got {tp!r}")
+        item = converter(args[1]) if args else converter(typing.Any)
+
+        def mapping(value: Any, path: str) -> dict:
+            if type(value) is not dict:
+                raise _type_error(path, "an object", value)
+            return {k: item(v, _join(path, k)) for k, v in value.items()}
+        return mapping
+    raise TypeError(f"unsupported annotation in a schema: {tp!r}")
+
+
+def _build_literal(options: tuple) -> Converter:
+    allowed = frozenset((type(o), o) for o in options)
+    shown = ", ".join(repr(o) for o in options)
+
+    def literal(value: Any, path: str) -> Any:
+        # Pair with the type so that True never matches Literal[1] (True == 1 in Python).
+        try:
+            ok = (type(value), value) in allowed
+        except TypeError:  # unhashable: a list or an object
+            ok = False
+        if not ok:
+            got = repr(value) if type(value) in (str, int, float, bool) else _kind(value)
+            raise APIError(400, f"Invalid value for '{path}': expected one of {shown}, but got {got} instead.",
+                           param=path or None, code="invalid_value")
+        return value
+    return literal
+
+
+def _accepts(tp: Any) -> frozenset:
+    """The JSON kinds (Python types of decoded JSON) a member of a union can take."""
+    if tp is typing.Any or tp is object:
+        return frozenset(_KIND_NAMES)
+    if tp is None or tp is _NONE:
+        return frozenset({_NONE})
+    if tp is float:
+        return frozenset({float, int})
+    if dataclasses.is_dataclass(tp):
+        return frozenset({dict})
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return frozenset(type(v) for v in typing.get_args(tp))
+    if _is_union(tp):
+        return frozenset().union(*(_accepts(a) for a in typing.get_args(tp)))
+    return frozenset({origin or tp})
+
+
+def _build_union(tp: Any) -> Converter:
+    members = typing.get_args(tp)
+    by_kind: dict[type, list[Converter]] = {}
+    for member in members:
+        conv = converter(member)
+        for kind in _accepts(member):
+            by_kind.setdefault(kind, []).append(conv)
+    expected = _describe(tp)
+
+    def union(value: Any, path: str) -> Any:
+        candidates = by_kind.get(type(value))
+        if not candidates:
+            raise _type_error(path, expected, value)
+        if len(candidates) == 1:
+            return candidates[0](value, path)
+        best: APIError | None = None
+        for conv in candidates:
+            try:
+                return conv(value, path)
+            except APIError as error:
+                # Report the member that got furthest: its error names the deepest param.
+                if best is None or len(error.param or "") > len(best.param or ""):
+                    best = error
+        assert best is not None
+        raise best
+    return union
+
+
+def _build_dataclass(cls: type) -> Converter:
+    plan: list[tuple[str, Converter, bool]] | None = None
+
+    def make_plan() -> list[tuple[str, Converter, bool]]:
+        try:
+            hints = typing.get_type_hints(cls)
+        except NameError as error:
+            raise TypeError(f"cannot resolve the annotations of {cls.__qualname__}: {error}; "
+                            "define schema dataclasses at module level") from None
+        out = []
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            out.append((f.name, converter(hints[f.name]), required))
+        return out
+
+    def build(value: Any, path: str) -> Any:
+        nonlocal plan
+        if type(value) is not dict:
+            raise _type_error(path, "an object", value)
+        if plan is None:  # built on first use, so that a dataclass may refer to itself
+            plan = make_plan()
+        kwargs = {}
+        for name, conv, required in plan:
+            if name in value:
+                kwargs[name] = conv(value[name], _join(path, name))
+            elif required:
+                where = _join(path, name)
+                raise APIError(400, f"Missing required parameter: '{where}'.", param=where,
+                               code="missing_required_parameter")
+        try:
+            return cls(**kwargs)
+        except ValueError as error:  # a cross-field check in __post_init__
+            raise APIError(400, str(error), param=path or None) from None
+    return build

@@ -1,0 +1,220 @@
+"""The listener: accepts sockets (up to the connection cap), owns the connection tasks, and shuts
+down gracefully on SIGTERM/SIGINT (a second signal stops at once).
+
+Knows nothing of routes' meaning; the API layer hands it a Router and may watch `is_draining`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from typing import Callable
+
+import orjson
+
+from rawserve.config import ServerConfig
+from rawserve.errors import APIError
+from rawserve.http.auth import APIKeyAuth
+from rawserve.http.connection import SHUTDOWN, Connection
+from rawserve.http.routing import CORSPolicy, Router
+
+logger = logging.getLogger("rawserve.http")
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_STREAM_LIMIT = 256 * 1024  # StreamReader pauses the socket past twice this
+_CLOSE_WAIT_S = 2.0  # after the drain, how long stopped connections get to unwind
+# One timer for all connections' deadlines and watcher starts, instead of TimerHandles per
+# request; timeouts are then accurate to this much.
+TICK_S = 0.02
+_FULL = APIError(503, "Too many open connections; try again later.", code="too_many_connections")
+_FULL_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                  b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%b") % (
+                      len(orjson.dumps(_FULL.to_dict())), orjson.dumps(_FULL.to_dict()))
+
+
+class HTTPServer:
+    """Serve `router` on `config.host:config.port`.
+
+    `await start()` binds (port 0 picks a free port; see `.port`), `await serve_until_shutdown()`
+    runs until a signal or `shutdown()`, and `shutdown()` drains: no new connections, 503 for new
+    requests on open ones, in-flight requests get `drain_timeout_s` to finish, then the rest are
+    cancelled.
+    """
+
+    def __init__(self, config: ServerConfig, router: Router) -> None:
+        self.config = config
+        self.router = router
+        self.auth = APIKeyAuth(config.api_key)
+        self.cors = CORSPolicy(config.allowed_origins)
+        self.port: int | None = None
+        self.num_in_flight = 0  # requests between head and end of response
+        self._listener: asyncio.base_events.Server | None = None
+        self._connections: set[Connection] = set()
+        self._is_draining = False
+        self._drain_callbacks: list[Callable[[], None]] = []
+        self._drained: asyncio.Event | None = None  # set when draining and nothing is in flight
+        self._stopped: asyncio.Future[int] | None = None
+        self._shutdown_task: asyncio.Task | None = None
+        self._num_signals = 0
+        self._ticker: asyncio.TimerHandle | None = None
+
+    # --- state the API layer reads ---------------------------------------------------------
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once when the drain begins (e.g. to turn /health to 503)."""
+        self._drain_callbacks.append(callback)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._listener is not None:
+            raise RuntimeError("the server is already started")
+        loop = asyncio.get_running_loop()
+        self._drained = asyncio.Event()
+        self._stopped = loop.create_future()
+        self._listener = await asyncio.start_server(
+            self._accept, self.config.host, self.config.port, limit=_STREAM_LIMIT,
+            backlog=min(self.config.max_connections, 4096), reuse_address=True)
+        self.port = self._listener.sockets[0].getsockname()[1]
+        logger.info("listening on http://%s:%d", self.config.host, self.port)
+
+    async def serve_until_shutdown(self, install_signal_handlers: bool = True) -> int:
+        """Serve until `shutdown()` finishes or a signal arrives; returns the process exit status:
+        0 after a graceful drain, 128 + signal number when a second signal cut it short."""
+        if self._listener is None:
+            await self.start()
+        assert self._stopped is not None
+        loop = asyncio.get_running_loop()
+        installed = []
+        if install_signal_handlers:
+            for sig in _SIGNALS:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+        try:
+            return await asyncio.shield(self._stopped)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        self._num_signals += 1
+        if self._num_signals == 1:
+            logger.warning("%s: draining (send it again to stop at once)", signal.Signals(sig).name)
+            self._shutdown_task = asyncio.get_running_loop().create_task(self.shutdown())
+        else:
+            logger.warning("second signal %s: stopping at once", signal.Signals(sig).name)
+            self._force(128 + sig)
+
+    def _force(self, status: int) -> None:
+        self._begin_drain()
+        for connection in list(self._connections):
+            connection.stop(SHUTDOWN)
+        if self._shutdown_task is not None:
+            self._shutdown_task.cancel()
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(status)
+
+    def _begin_drain(self) -> None:
+        if self._is_draining:
+            return
+        self._is_draining = True
+        if self._listener is not None:
+            self._listener.close()  # stop accepting; open connections stay
+        for callback in self._drain_callbacks:
+            try:
+                callback()
+            except Exception:  # one broken hook must not stop the drain; the log shows it
+                logger.exception("drain callback %r failed", callback)
+
+    async def shutdown(self) -> None:
+        """Drain gracefully: see the class docstring. Safe to call more than once."""
+        if self._listener is None:
+            return
+        self._begin_drain()
+        assert self._drained is not None and self._stopped is not None
+        if self.num_in_flight == 0:
+            self._drained.set()
+        try:
+            await asyncio.wait_for(self._drained.wait(), self.config.drain_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("drain timeout: cancelling %d in-flight request(s)", self.num_in_flight)
+        await self._stop_connections()
+        if not self._stopped.done():
+            self._stopped.set_result(0)
+
+    async def _stop_connections(self) -> None:
+        tasks = []
+        for connection in list(self._connections):
+            connection.stop(SHUTDOWN)
+            if connection._task is not None:
+                tasks.append(connection._task)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+            if pending:
+                logger.warning("%d connection(s) did not stop within %.1f s", len(pending), _CLOSE_WAIT_S)
+        if self._ticker is not None and not self._connections:
+            self._ticker.cancel()
+            self._ticker = None
+
+    async def __aenter__(self) -> HTTPServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    # --- connections -----------------------------------------------------------------------
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._is_draining or len(self._connections) >= self.config.max_connections:
+            await _refuse(reader, writer)
+            return
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Small responses must not wait for Nagle; asyncio usually sets this already.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = Connection(self, reader, writer)
+        self._connections.add(connection)
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(TICK_S, self._tick)
+        await connection.run()
+
+    def _forget(self, connection: Connection) -> None:
+        self._connections.discard(connection)
+
+    def _tick(self) -> None:
+        if not self._connections:
+            self._ticker = None  # idle: the next accepted connection restarts it
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for connection in list(self._connections):
+            connection.tick(now)
+        self._ticker = loop.call_later(TICK_S, self._tick)
+
+    def _on_busy(self, is_busy: bool) -> None:
+        self.num_in_flight += 1 if is_busy else -1
+        if self.num_in_flight == 0 and self._is_draining and self._drained is not None:
+            self._drained.set()
+
+
+async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer 503 to a connection over the cap, and close it without a reset (see LINGER_S)."""
+    try:
+        writer.write(_FULL_RESPONSE)
+        if writer.can_write_eof():
+            writer.write_eof()
+        await asyncio.wait_for(reader.read(65536), 0.2)
+    except (asyncio.TimeoutError, ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()

@@ -1,0 +1,124 @@
+"""A client leaving while its handler runs cancels the handler's task within 100 ms."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+from typing import AsyncIterator
+
+from rawserve.http import JSONResponse, Request, Router, SSEResponse
+from tests.http.harness import build_request, client, serve
+
+
+class Probe:
+    """Records when the code under a handler saw cancellation and whether its cleanup ran."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled_at: float | None = None
+        self.cleaned_up = False
+
+
+def waiting_router(probe: Probe) -> Router:
+    async def stream(request: Request) -> SSEResponse:
+        async def events() -> AsyncIterator[dict]:
+            try:
+                yield {"token": "first"}
+                probe.started.set()
+                await asyncio.sleep(30)  # waiting for the next token that never comes
+                yield {"token": "never"}
+            except asyncio.CancelledError:
+                probe.cancelled_at = time.monotonic()
+                raise
+            finally:
+                probe.cleaned_up = True  # where the API layer will abort the engine request
+        return SSEResponse(events())
+
+    async def unary(request: Request) -> JSONResponse:
+        probe.started.set()
+        try:
+            await asyncio.sleep(30)  # a long non-streaming generation
+        except asyncio.CancelledError:
+            probe.cancelled_at = time.monotonic()
+            raise
+        return JSONResponse({})
+
+    router = Router()
+    router.add("GET", "/stream", stream)
+    router.add("GET", "/unary", unary)
+    return router
+
+
+async def wait_for_cancel(probe: Probe, server) -> None:
+    for _ in range(100):
+        if probe.cancelled_at is not None and server.num_connections == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the handler was not cancelled")
+
+
+async def test_client_closing_mid_stream_cancels_the_handler_within_100ms():
+    probe = Probe()
+    async with serve(waiting_router(probe)) as server:
+        async with client(server.port) as c:
+            await c.send(build_request("GET", "/stream"))
+            assert b'data: {"token":"first"}' in await c.read_raw()
+            await probe.started.wait()
+            closed_at = time.monotonic()
+        await wait_for_cancel(probe, server)
+        assert probe.cancelled_at - closed_at < 0.1
+        assert probe.cleaned_up
+        assert server.num_in_flight == 0
+
+
+async def test_client_closing_during_a_unary_handler_cancels_it_within_100ms():
+    probe = Probe()
+    async with serve(waiting_router(probe)) as server:
+        async with client(server.port) as c:
+            await c.send(build_request("GET", "/unary"))
+            await probe.started.wait()  # closes right away, before any watcher could have started
+            closed_at = time.monotonic()
+        await wait_for_cancel(probe, server)
+        assert probe.cancelled_at - closed_at < 0.1
+        assert server.num_in_flight == 0
+
+
+async def test_client_reset_mid_stream_cancels_the_handler_within_100ms():
+    probe = Probe()
+    async with serve(waiting_router(probe)) as server:
+        async with client(server.port) as c:
+            await c.send(build_request("GET", "/stream"))
+            await c.read_raw()
+            await probe.started.wait()
+            sock = c.writer.get_extra_info("socket")
+            # Linger 0: close() sends RST instead of FIN.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            closed_at = time.monotonic()
+            c.writer.transport.abort()
+        await wait_for_cancel(probe, server)
+        assert probe.cancelled_at - closed_at < 0.1
+
+
+async def test_pipelined_request_during_a_slow_handler_is_kept_not_taken_for_eof():
+    cancelled = []
+
+    async def slow(request: Request) -> JSONResponse:
+        try:
+            await asyncio.sleep(0.2)  # long enough for the watcher to be reading
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return JSONResponse({"n": request.path})
+
+    router = Router()
+    router.add("GET", "/a", slow)
+    router.add("GET", "/b", slow)
+    async with serve(router) as server, client(server.port) as c:
+        await c.send(build_request("GET", "/a"))
+        await asyncio.sleep(0.1)
+        await c.send(build_request("GET", "/b"))  # arrives while /a runs
+        assert (await c.read_reply()).json() == {"n": "/a"}
+        assert (await c.read_reply()).json() == {"n": "/b"}
+        assert (await c.request("GET", "/a")).status == 200
+    assert cancelled == []

@@ -1,0 +1,147 @@
+"""The listener: connection cap, graceful drain (in process and by signal), second signal."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+
+import pytest
+
+from rawserve.http import HTTPServer, JSONResponse, Request, Router
+from tests.conftest import ROOT
+from tests.http.harness import build_request, client, make_config, serve
+
+
+def slow_router(started: asyncio.Event | None = None, cancelled: list | None = None) -> Router:
+    async def fast(request: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    async def slow(request: Request) -> JSONResponse:
+        if started is not None:
+            started.set()
+        try:
+            await asyncio.sleep(float(request.query.get("s", "0.3")))
+        except asyncio.CancelledError:
+            if cancelled is not None:
+                cancelled.append(request.path)
+            raise
+        return JSONResponse({"slept": True})
+
+    router = Router()
+    router.add("GET", "/fast", fast)
+    router.add("GET", "/slow", slow)
+    return router
+
+
+async def test_start_on_port_zero_exposes_the_bound_port():
+    async with serve(slow_router()) as server, client(server.port) as c:
+        assert server.port > 0
+        assert (await c.request("GET", "/fast")).status == 200
+
+
+async def test_connection_over_the_cap_gets_503_and_close():
+    async with serve(slow_router(), max_connections=2) as server:
+        async with client(server.port) as a, client(server.port) as b:
+            assert (await a.request("GET", "/fast")).status == 200
+            assert (await b.request("GET", "/fast")).status == 200
+            async with client(server.port) as third:
+                reply = await third.read_reply()
+                assert reply.status == 503 and reply.headers["connection"] == "close"
+                assert reply.json()["error"]["code"] == "too_many_connections"
+                assert await third.is_closed()
+            assert server.num_connections == 2
+        for _ in range(100):  # the two closed; a newcomer fits again
+            if server.num_connections == 0:
+                break
+            await asyncio.sleep(0.01)
+        async with client(server.port) as again:
+            assert (await again.request("GET", "/fast")).status == 200
+
+
+async def test_graceful_shutdown_503s_new_requests_and_lets_in_flight_finish():
+    started = asyncio.Event()
+    drained: list[bool] = []
+    server = HTTPServer(make_config(drain_timeout_s=5.0), slow_router(started))
+    server.on_drain(lambda: drained.append(server.is_draining))
+    await server.start()
+    async with client(server.port) as idle, client(server.port) as busy:
+        assert (await idle.request("GET", "/fast")).status == 200
+        await busy.send(build_request("GET", "/slow?s=0.3"))
+        await started.wait()
+        shutdown = asyncio.create_task(server.shutdown())
+        await asyncio.sleep(0.05)
+        assert server.is_draining and drained == [True]
+        reply = await idle.request("GET", "/fast")  # a new request on an open connection
+        assert reply.status == 503 and reply.headers["connection"] == "close"
+        assert reply.json()["error"]["code"] == "server_shutting_down"
+        with pytest.raises(OSError):  # no longer accepting
+            await asyncio.open_connection("127.0.0.1", server.port)
+        reply = await busy.read_reply()  # the in-flight one finishes normally
+        assert reply.status == 200 and reply.json() == {"slept": True}
+        assert reply.headers["connection"] == "close"
+        await asyncio.wait_for(shutdown, 2)
+    assert server.num_connections == 0 and server.num_in_flight == 0
+
+
+async def test_drain_timeout_cancels_requests_still_in_flight():
+    started = asyncio.Event()
+    cancelled: list[str] = []
+    server = HTTPServer(make_config(drain_timeout_s=0.2), slow_router(started, cancelled))
+    await server.start()
+    async with client(server.port) as busy:
+        await busy.send(build_request("GET", "/slow?s=30"))
+        await started.wait()
+        began = time.monotonic()
+        await server.shutdown()
+        assert 0.15 < time.monotonic() - began < 1.5
+        assert cancelled == ["/slow"]
+        assert await busy.is_closed()
+
+
+async def start_script(drain_timeout_s: float) -> tuple[asyncio.subprocess.Process, int]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.http.serve_script", str(drain_timeout_s), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE)
+    port = int(await asyncio.wait_for(proc.stdout.readline(), 20))
+    return proc, port
+
+
+async def test_sigterm_drains_in_flight_requests_and_exits_zero():
+    proc, port = await start_script(drain_timeout_s=5.0)
+    try:
+        async with client(port) as idle, client(port) as busy:
+            assert (await idle.request("GET", "/fast")).status == 200
+            await busy.send(build_request("GET", "/slow?s=0.5"))
+            await asyncio.sleep(0.15)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"draining\n"
+            assert (await idle.request("GET", "/fast")).status == 503
+            with pytest.raises(OSError):
+                await asyncio.open_connection("127.0.0.1", port)
+            reply = await busy.read_reply()
+            assert reply.status == 200 and reply.json() == {"slept": True}
+        assert await asyncio.wait_for(proc.wait(), 5) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_second_signal_exits_at_once():
+    proc, port = await start_script(drain_timeout_s=30.0)
+    try:
+        async with client(port) as busy:
+            await busy.send(build_request("GET", "/slow?s=30"))
+            await asyncio.sleep(0.15)
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"draining\n"
+            began = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 5) == 128 + signal.SIGINT
+            assert time.monotonic() - began < 1.0
+            assert await busy.is_closed()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
