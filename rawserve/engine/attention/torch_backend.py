@@ -49,8 +49,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         blocks = meta.block_tables[i, :num_blocks]
         k = _gather(k_cache, blocks, seq_len)  # [seq_len, kv_heads, D]
         v = _gather(v_cache, blocks, seq_len)
-        qs = q[start:end].transpose(0, 1)  # [heads, q_len, D]
-        ks, vs = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, seq_len, D]
+        # 4-D [1, heads, len, D]: with 3-D inputs torch's CPU SDPA drops to its slow math path.
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+        ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
         context = seq_len - q_len  # tokens already cached before this chunk
         if context == 0:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
@@ -59,7 +60,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             rows = torch.arange(q_len, device=q.device).unsqueeze(1) + context
             cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
 
     num_decodes = meta.decode_seq_ids.numel()
     if num_decodes:
