@@ -26,7 +26,7 @@ def rev() -> str:
         return "unknown"
 
 
-def timed(fn, reps: int, warmup: int = 1) -> list[float]:
+def timed(fn, reps: int, warmup: int = 2) -> list[float]:
     for _ in range(warmup):
         fn()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)

@@ -96,9 +96,11 @@ class ModelRunner:
         self.model.init_rope(self.max_model_len, self.device)
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not empty: masked-out slots are multiplied by 0 probability, and 0 * NaN is NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # Zeroed, not left empty: masked-out slots are multiplied by 0 probability, and 0 * NaN is NaN.
+        # Written with zero_() rather than torch.zeros: calloc'ed pages stay unmapped until written, and
+        # gathers from them ran 10-40x slower on CPU. This commits the whole pool at start, as on a GPU.
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device).zero_(),
+                           torch.empty(shape, dtype=self.dtype, device=self.device).zero_())
                           for _ in range(cfg.num_layers)]
         log.info("model %s: %s on %s, %d KV blocks of %d tokens", config.model_dir, self.dtype, self.device,
                  self.num_blocks, self.block_size)

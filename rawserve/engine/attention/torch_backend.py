@@ -22,12 +22,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, block_size, H, D] indexed by blocks [n] -> the first `length` slots [length, H, D].
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D] at blocks [n] -> [n, block_size, H, D] (a copy).
 
-    index_select, not cache[blocks]: advanced indexing is several times slower on CPU.
+    Indexes a 2-D view ([num_blocks, block_size * H * D]): each block is then one contiguous row
+    copy, several times faster on CPU than index_select over the 4-D tensor.
     """
-    return cache.index_select(0, blocks).flatten(0, 1)[:length]
+    rows = cache.view(cache.shape[0], -1)[blocks]
+    return rows.view(blocks.shape[0], *cache.shape[1:])
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` slots of a sequence's blocks: [length, H, D]."""
+    return gather_blocks(cache, blocks).flatten(0, 1)[:length]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -69,8 +76,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_blocks = (max_len + block_size - 1) // block_size
         tables = meta.block_tables[seq_ids, :max_blocks].flatten()  # [B * max_blocks]
         # [B * max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D] as a strided view (no copy)
-        k = k_cache.index_select(0, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
-        v = v_cache.index_select(0, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
+        k = gather_blocks(k_cache, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
+        v = gather_blocks(v_cache, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
         lens = meta.seq_lens[seq_ids].unsqueeze(1)  # [B, 1]
         valid = torch.arange(max_len, device=q.device).unsqueeze(0) < lens  # [B, L]
         o = F.scaled_dot_product_attention(q[token_ids].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
