@@ -251,11 +251,11 @@ async def test_non_consuming_client_holds_one_coalesced_output(make_llm, tokeniz
 
 
 async def test_request_timeout_raises_and_frees_the_core(make_llm, tokenizer):
-    llm = await make_llm(request_timeout_s=0.3)
+    llm = await make_llm(request_timeout_s=0.05)
     stream = llm.generate([1, 2], SamplingParams(max_tokens=480, **GREEDY))
     with pytest.raises(TimeoutError):
         async for _ in stream:
-            await asyncio.sleep(0.05)  # a slow reader: the deadline must still apply
+            await asyncio.sleep(0.02)  # a slow reader: the deadline must still apply
     assert llm.num_in_flight == 0
     # Fresh stats (steps > 0) with nothing running: the core went idle after the abort, short of 480.
     await wait_for(lambda: llm.core_stats.steps > 0 and llm.core_stats.num_running == 0)
