@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch",)  # triton kernels are planned; the portable backend runs everywhere
 ENGINE_MODES = ("thread", "process")
 
 
@@ -50,7 +50,8 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Share KV blocks of identical prompt prefixes across requests."})
     attention_backend: str = field(default="torch", metadata={
-        "help": "Attention implementation: torch (portable) or triton (GPU).", "choices": ATTENTION_BACKENDS})
+        "help": "Attention implementation: torch (portable, CPU and CUDA; the only one so far).",
+        "choices": ATTENTION_BACKENDS})
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
 
     def __post_init__(self) -> None:
