@@ -95,7 +95,26 @@ class LocalSender:
         self._q.put([_EOF])
 
 
-class LocalReceiver:
+class _BatchReceiver:
+    """Shared by the queue-backed receivers: after the first batch, take every batch already waiting."""
+
+    _q: Any
+    _eof: bool
+
+    def _take_rest(self, batch: list, out: list[Message]) -> list[Message]:
+        while True:
+            if _check_eof(batch, out):
+                self._eof = True
+                if not out:
+                    raise EOFError("sender closed")
+                return out
+            try:
+                batch = self._q.get_nowait()
+            except queue.Empty:
+                return out
+
+
+class LocalReceiver(_BatchReceiver):
     def __init__(self, q: queue.SimpleQueue) -> None:
         self._q = q
         self._eof = False
@@ -108,16 +127,7 @@ class LocalReceiver:
             batch = self._q.get(timeout=timeout) if timeout is None or timeout > 0 else self._q.get_nowait()
         except queue.Empty:
             return out
-        while True:
-            if _check_eof(batch, out):
-                self._eof = True
-                if not out:
-                    raise EOFError("sender closed")
-                return out
-            try:
-                batch = self._q.get_nowait()
-            except queue.Empty:
-                return out
+        return self._take_rest(batch, out)
 
     def close(self) -> None:
         pass
@@ -141,7 +151,7 @@ class QueueSender:
         """The parent's copy of an end handed to the child: a Queue is one object on both sides."""
 
 
-class QueueReceiver:
+class QueueReceiver(_BatchReceiver):
     def __init__(self, q: Any) -> None:
         self._q = q
         self._eof = False
@@ -161,16 +171,7 @@ class QueueReceiver:
                 if (deadline is not None and time.monotonic() >= deadline) or \
                         (watch is not None and mp_connection.wait([watch], 0)):
                     return out
-        while True:
-            if _check_eof(batch, out):
-                self._eof = True
-                if not out:
-                    raise EOFError("sender closed")
-                return out
-            try:
-                batch = self._q.get_nowait()
-            except queue.Empty:
-                return out
+        return self._take_rest(batch, out)
 
     def close(self) -> None:
         pass

@@ -5,10 +5,11 @@ temperature 0.6), not OpenAI's. Reads files only; it must not import engine, htt
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from rawserve.text.tokenizer import read_json_object
 
 if TYPE_CHECKING:
     from rawserve.text.tokenizer import Tokenizer
@@ -43,12 +44,12 @@ class GenerationDefaults:
         tokenizer's eos (the tokenizer is loaded from model_dir if not given and needed)."""
         model_dir = os.fspath(model_dir)
         gen_path = os.path.join(model_dir, "generation_config.json")
-        gen = _read_json(gen_path)
+        gen = read_json_object(gen_path)
         values: dict[str, Any] = {name: _field(gen, name, gen_path) for name in _FIELDS}
         eos = _eos_ids(gen, gen_path)
         if not eos:
             config_path = os.path.join(model_dir, "config.json")
-            config = _read_json(config_path)
+            config = read_json_object(config_path)
             eos = _eos_ids(config, config_path)
             text_config = config.get("text_config")
             if not eos and isinstance(text_config, dict):
@@ -91,16 +92,3 @@ def _eos_ids(data: dict, source: str) -> tuple[int, ...]:
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise ValueError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {value!r}")
     return tuple(dict.fromkeys(items))  # ordered, without repeats
-
-
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read {path!r}: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path!r} must hold a JSON object")
-    return data

@@ -167,8 +167,8 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise ValueError(f"{model_dir!r} has no tokenizer.json "
                              "(slow/sentencepiece-only tokenizers are not supported)")
-        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-        specials = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
+        config = read_json_object(os.path.join(model_dir, "tokenizer_config.json"))
+        specials = read_json_object(os.path.join(model_dir, "special_tokens_map.json"))
         tokens = {}
         for field in ("bos_token", "eos_token"):
             tokens[field] = _token_content(config.get(field)) or _token_content(specials.get(field))
@@ -282,7 +282,8 @@ class Tokenizer:
         return self._pieces[2], self._pieces[3]
 
 
-def _read_json(path: str) -> dict:
+def read_json_object(path: str) -> dict:
+    """A JSON file holding an object ({} when the file is absent); ValueError naming the file otherwise."""
     if not os.path.isfile(path):
         return {}
     try:
