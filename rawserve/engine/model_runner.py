@@ -14,7 +14,7 @@ import torch
 from rawserve.config import EngineConfig
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, load_weights, read_model_config
-from rawserve.engine.models.decoder import DecoderModel
+from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 
 log = logging.getLogger("rawserve.engine")
 
@@ -66,13 +66,18 @@ def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: t
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
-               cfg: ModelConfig | None = None) -> DecoderModel:
-    """Build the model without initialising it, then stream the checkpoint's tensors into it."""
+               cfg: ModelConfig | None = None, *, prepack: bool = True) -> DecoderModel:
+    """Build the model without initialising it, then stream the checkpoint's tensors into it.
+
+    prepack: on CPU, hold the matmul weights in oneDNN's packed layout (see DecoderLayer.prepack).
+    """
     cfg = cfg or read_model_config(model_dir)
     with torch.device("meta"):
         model = DecoderModel(cfg, dtype)
     model.to_empty(device=device)
     load_weights(model_dir, model.targets())
+    if prepack and device.type == "cpu" and cpu_prepack_supported(dtype):
+        model.prepack()
     return model.eval()
 
 

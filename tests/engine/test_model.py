@@ -110,3 +110,20 @@ def test_bfloat16_agrees_with_float32(tiny_qwen3_dir):
     # bf16 keeps 8 mantissa bits; through 2 layers the logits stay within a few hundredths.
     torch.testing.assert_close(bf16, f32, atol=5e-2, rtol=5e-2)
     assert (bf16.argmax(-1) == f32.argmax(-1)).float().mean() >= 0.9
+
+
+def test_prepacked_cpu_weights_give_the_same_logits_as_dense(tiny_qwen3_dir):
+    from rawserve.engine.models.decoder import cpu_prepack_supported
+
+    if not cpu_prepack_supported(torch.float32):
+        pytest.skip("oneDNN weight pre-packing is not available in this torch build")
+    runner = make_runner(tiny_qwen3_dir)
+    assert runner.model.layers[0].packed, "CPU float32 weights should be pre-packed"
+    ids = prompt_ids(12, seed=9)
+    packed = prefill_in_chunks(runner, ids, blocks_for(12), [12])
+    for layer in runner.model.layers:  # back to dense matmuls on the same weights
+        for name, weight in layer.packed.items():
+            getattr(layer, name).data = weight.to_dense()
+        layer.packed.clear()
+    dense = prefill_in_chunks(runner, ids, blocks_for(12, first=20), [12])
+    torch.testing.assert_close(packed, dense, atol=1e-5, rtol=1e-5)
