@@ -1,0 +1,140 @@
+"""One request's frontend state and its stream: TextOutput deltas, coalesced while the consumer is slow.
+
+Touched only on the event loop thread; AsyncLLM (async_llm.py) owns and feeds these objects.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rawserve.engine.types import TokenLogprob
+from rawserve.text.detokenizer import IncrementalDetokenizer
+from rawserve.text.stop import StopChecker
+
+if TYPE_CHECKING:
+    from rawserve.engine.async_llm import AsyncLLM
+
+
+@dataclass(slots=True)
+class TextOutput:
+    """What one request produced since the consumer last read: a visible text delta and its ids."""
+    request_id: str
+    text: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None  # the stop token id or the matched stop string
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class RequestState:
+    """Frontend state of one request. Touched only on the event loop thread."""
+
+    __slots__ = ("rid", "detok", "stop", "arrival", "first_token_at", "last_token_at", "timer", "pending",
+                 "_texts", "error", "waiter", "is_finished", "is_closed", "num_prompt_tokens",
+                 "num_output_tokens", "num_cached_tokens")
+
+    def __init__(self, rid: str, detok: IncrementalDetokenizer, stop: StopChecker, arrival: float) -> None:
+        self.rid = rid
+        self.detok = detok
+        self.stop = stop
+        self.arrival = arrival
+        self.first_token_at: float | None = None
+        self.last_token_at = arrival
+        self.timer: asyncio.TimerHandle | None = None
+        self.pending: TextOutput | None = None  # the one unread output, coalesced
+        self._texts: list[str] = []  # its text parts, joined once when read (no quadratic +=)
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+        self.is_finished = False  # no more outputs will be accepted from the core
+        self.is_closed = False  # the consumer is done with the stream
+        self.num_prompt_tokens = self.num_output_tokens = self.num_cached_tokens = 0
+
+    def deliver(self, item: TextOutput) -> None:
+        pending = self.pending
+        if pending is None:
+            self.pending = item
+            self._texts = [item.text]
+        else:  # the consumer is behind: coalesce instead of queueing
+            self._texts.append(item.text)
+            pending.new_token_ids.extend(item.new_token_ids)
+            if item.logprobs is not None:
+                pending.logprobs = (pending.logprobs or []) + item.logprobs
+            if pending.prompt_logprobs is None:
+                pending.prompt_logprobs = item.prompt_logprobs
+            pending.finished, pending.finish_reason, pending.stop_reason = \
+                item.finished, item.finish_reason, item.stop_reason
+            pending.num_prompt_tokens, pending.num_output_tokens, pending.num_cached_tokens = \
+                item.num_prompt_tokens, item.num_output_tokens, item.num_cached_tokens
+        self._wake()
+
+    def take(self) -> TextOutput:
+        item, self.pending = self.pending, None
+        item.text = "".join(self._texts) if len(self._texts) > 1 else item.text
+        self._texts = []
+        return item
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class RequestStream:
+    """One request's TextOutputs, an async iterator returned by AsyncLLM.generate().
+
+    Ending early (break, aclose(), cancellation of the consumer, or dropping the stream) aborts the
+    request in the core. After the final output, or an error, iteration stops.
+    """
+
+    __slots__ = ("_llm", "_state")
+
+    def __init__(self, llm: AsyncLLM, state: RequestState) -> None:
+        self._llm = llm
+        self._state = state
+
+    @property
+    def request_id(self) -> str:
+        return self._state.rid
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TextOutput:
+        state = self._state
+        if state.is_closed:
+            raise StopAsyncIteration
+        while state.pending is None and state.error is None:
+            state.waiter = self._llm._loop.create_future()
+            try:
+                await state.waiter
+            except BaseException:  # cancelled: the consumer is gone, so the core must stop too
+                state.waiter = None
+                self._llm._release(state)
+                raise
+            state.waiter = None
+        if state.error is not None:
+            self._llm._release(state)
+            raise state.error
+        item = state.take()
+        if item.finished:
+            self._llm._release(state)
+        return item
+
+    async def aclose(self) -> None:
+        self._llm._release(self._state)
+
+    def __del__(self) -> None:
+        if not self._state.is_closed:  # dropped unread (e.g. `break` out of async for): abort it
+            try:
+                self._llm._loop.call_soon_threadsafe(self._llm._release, self._state)
+            except RuntimeError:  # the loop is closed; the core goes down with the process
+                pass
