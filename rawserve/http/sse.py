@@ -55,12 +55,14 @@ class TransportSink:
     """The EventSink of a connection: chunked framing on HTTP/1.1, raw bytes on HTTP/1.0 (where
     the close ends the body). Writes go straight to the transport, one write per event."""
 
-    __slots__ = ("drain", "_transport", "_is_chunked")
+    __slots__ = ("drain", "_transport", "_is_chunked", "buffered_bytes")
 
     def __init__(self, writer: asyncio.StreamWriter, is_chunked: bool) -> None:
         self.drain = writer.drain  # the EventSink's drain(): the stream's own, one call less per event
         self._transport = writer.transport
         self._is_chunked = is_chunked
+        # Bytes the kernel has not taken yet; 0 means a drain() could not wait, so the hot loop skips it.
+        self.buffered_bytes = writer.transport.get_write_buffer_size
 
     def write(self, payload: bytes) -> None:
         if self._is_chunked:
@@ -132,6 +134,9 @@ async def stream(response: SSEResponse, sink: EventSink, ping_interval_s: float)
     pinger = _Pinger(sink, ping_interval_s) if ping_interval_s > 0 else None
     clock = asyncio.get_running_loop().time
     write_event, drain, dumps = sink.write_event, sink.drain, orjson.dumps
+    # A sink that can tell its buffer is empty lets the loop skip drain() then: it could not wait, and
+    # a vanished client is seen by the connection's watcher, not here.
+    buffered = getattr(sink, "buffered_bytes", None)
     ok = True
     try:
         try:
@@ -139,7 +144,8 @@ async def stream(response: SSEResponse, sink: EventSink, ping_interval_s: float)
                 write_event(dumps(item) if type(item) is dict else _payload(item))
                 if pinger is not None:
                     pinger.last_write = clock()
-                await drain()
+                if buffered is None or buffered():
+                    await drain()
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception as error:  # the client sees it as an error event; operators in the log
