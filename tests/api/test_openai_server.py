@@ -253,3 +253,17 @@ def test_python_m_rawserve_serves_with_a_process_core_and_drains_on_sigterm(demo
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_repeated_prompt_reports_prefix_cache_hits_and_cache_salt_isolates(server):
+    prompt = "The quick brown fox jumps over the lazy dog, again and again, until the dog wakes up. " * 2
+
+    def cached(**extra) -> int:
+        body = json.dumps({"prompt": prompt, "max_tokens": 2, **extra}).encode()
+        code, payload = raw(server, "POST", "/v1/completions", body)
+        assert code == 200
+        return json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="warm")
+    assert cached(cache_salt="warm") >= 16  # at least one full KV block came from the cache
+    assert cached(cache_salt="other-tenant") == 0
