@@ -19,6 +19,11 @@ from rawserve.text.tokenizer import Tokenizer
 
 # Prompts longer than this are tokenized in a thread, so the event loop keeps serving others.
 _THREAD_TOKENIZE_CHARS = 8192
+# Per-request bounds on work done for every generated token (stop-string scans on the event loop,
+# bias tensors in the core): without them one request could slow every other stream.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(slots=True)
@@ -68,6 +73,13 @@ class ServingContext:
         def pick(value, default, fallback):
             return value if value is not None else (default if default is not None else fallback)
 
+        if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(req.logit_bias)}.",
+                           param="logit_bias")
+        stop_list = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stop_list) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop_list):
+            raise APIError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                "characters each.", param="stop")
         try:
             bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         except ValueError:

@@ -165,6 +165,9 @@ def test_streamed_completion_logprobs_cover_every_token(client):
     ({"messages": HELLO, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"messages": HELLO, "logit_bias": {"999999": 5}}, 400, "logit_bias"),
     ({"messages": HELLO, "n": True}, 400, "n"),
+    ({"messages": HELLO, "stop": ["x"] * 65}, 400, "stop"),
+    ({"messages": HELLO, "stop": "y" * 1025}, 400, "stop"),
+    ({"messages": HELLO, "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
 ])
 def test_bad_chat_requests_get_openai_shaped_errors(server, body, status, param):
     code, payload = raw(server, "POST", "/v1/chat/completions", json.dumps(body).encode())
