@@ -165,15 +165,19 @@ class ModelRunner:
         tables = torch.tensor([inp.block_table + [0] * (max_blocks - len(inp.block_table)) for inp in inputs],
                               dtype=torch.int64)
         dev = self.device
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+        decode_ids = torch.tensor(decode_seq, dtype=torch.int64)
+        decode_blocks = tables[decode_ids, :-(-max_decode_len // bs)].flatten()
+        decode_mask = (torch.arange(max_decode_len).unsqueeze(0) < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens=seq_lens_t.to(dev),
             block_tables=tables.to(dev),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            decode_seq_ids=torch.tensor(decode_seq, dtype=torch.int64, device=dev),
             decode_token_ids=torch.tensor(decode_tok, dtype=torch.int64, device=dev),
-            max_decode_len=max_decode_len, prefill_seq_ids=prefill_seq, block_size=bs)
+            max_decode_len=max_decode_len, decode_blocks=decode_blocks.to(dev), decode_mask=decode_mask.to(dev),
+            prefill_seq_ids=prefill_seq, block_size=bs)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(logit_rows, dtype=torch.int64, device=dev))

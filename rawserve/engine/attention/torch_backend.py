@@ -69,18 +69,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
-    num_decodes = meta.decode_seq_ids.numel()
+    num_decodes = meta.decode_token_ids.numel()
     if num_decodes:
-        seq_ids, token_ids = meta.decode_seq_ids, meta.decode_token_ids
-        max_len = meta.max_decode_len
-        max_blocks = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[seq_ids, :max_blocks].flatten()  # [B * max_blocks]
+        token_ids, max_len = meta.decode_token_ids, meta.max_decode_len
         # [B * max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D] as a strided view (no copy)
-        k = gather_blocks(k_cache, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
-        v = gather_blocks(v_cache, tables).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
-        lens = meta.seq_lens[seq_ids].unsqueeze(1)  # [B, 1]
-        valid = torch.arange(max_len, device=q.device).unsqueeze(0) < lens  # [B, L]
+        k = gather_blocks(k_cache, meta.decode_blocks).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
+        v = gather_blocks(v_cache, meta.decode_blocks).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
         o = F.scaled_dot_product_attention(q[token_ids].unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+                                           attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[token_ids] = o.squeeze(2)  # [B, heads, D]
     return out
