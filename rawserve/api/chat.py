@@ -12,7 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from rawserve.api.protocol import ChatMessage, ChatRequest
-from rawserve.api.serving import ServingContext, chat_logprobs, check_logprobs, merge, stream_error, usage
+from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, merge, stream_error,
+                                  wants_usage_chunk)
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 from rawserve.text.chat_template import render_chat
@@ -108,21 +109,20 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
                             starts_in_reasoning=opened) for _ in streams]
     base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return SSEResponse(_chunks(ctx, req, streams, parsers, base, len(ids)))
+        return SSEResponse(_chunks(ctx, req, streams, parsers, base, UsageTally([len(ids)], params.n)))
     messages = [{"role": "assistant", "content": ""} for _ in streams]
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
-    completion_tokens = cached = 0
+    tally = UsageTally([len(ids)], params.n)
     try:
         async for k, out in merge(streams):
             for delta in parsers[k].feed(out.text, final=out.finished):
                 _accumulate(messages[k], delta)
             entries[k] += out.logprobs or []
+            tally.add(k, out)
             if out.finished:
                 reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
                 finish[k] = (reason, out.stop_reason)
-                completion_tokens += out.num_output_tokens
-                cached += out.num_cached_tokens
     except Exception as error:  # the engine's failure, shown to this client only
         raise stream_error(error) from None
     choices = []
@@ -132,7 +132,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
         choices.append({"index": k, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, entries[k])
                         if req.logprobs else None, "finish_reason": finish[k][0], "stop_reason": finish[k][1]})
     return JSONResponse({**base, "object": "chat.completion", "choices": choices,
-                         "usage": usage(len(ids), completion_tokens, cached)})
+                         "usage": tally.usage()})
 
 
 def _accumulate(message: dict, delta: dict) -> None:
@@ -149,14 +149,14 @@ def _accumulate(message: dict, delta: dict) -> None:
 
 
 async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
-                  prompt_tokens: int) -> AsyncIterator[dict]:
+                  tally: UsageTally) -> AsyncIterator[dict]:
     base = {**base, "object": "chat.completion.chunk"}
     for k in range(len(streams)):
         yield {**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
-    completion_tokens = cached = 0
     try:
         async for k, out in merge(streams):
+            tally.add(k, out)
             lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
             deltas = parsers[k].feed(out.text, final=out.finished) or ([{}] if lp else [])
             for delta in deltas:
@@ -166,9 +166,7 @@ async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers:
                 reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
                 yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
                                             "stop_reason": out.stop_reason}]}
-                completion_tokens += out.num_output_tokens
-                cached += out.num_cached_tokens
     except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]
         raise stream_error(error) from None
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
+    if wants_usage_chunk(req):
+        yield {**base, "choices": [], "usage": tally.usage()}

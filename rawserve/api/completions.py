@@ -9,8 +9,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from rawserve.api.protocol import CompletionRequest
-from rawserve.api.serving import (ServingContext, check_logprobs, completion_logprobs, merge, stream_error,
-                                  usage)
+from rawserve.api.serving import (ServingContext, UsageTally, check_logprobs, completion_logprobs, merge,
+                                  stream_error, wants_usage_chunk)
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 
@@ -60,15 +60,14 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
         raise
     n = params[0].n
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
-    prompt_tokens = sum(len(p) for p in prompts)
+    tally = UsageTally([len(p) for p in prompts], n)
     echo = [(texts[k // n] if texts[k // n] is not None else ctx.tokenizer.decode(prompts[k // n]))
             if req.echo else "" for k in range(len(streams))]
     if req.stream:
-        return SSEResponse(_chunks(ctx, req, streams, base, echo, prompt_tokens))
+        return SSEResponse(_chunks(ctx, req, streams, base, echo, tally))
     text = list(echo)
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
-    completion_tokens = cached = 0
     prompt_lps: list = [None] * len(streams)
     try:
         async for k, out in merge(streams):
@@ -76,10 +75,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
             entries[k] += out.logprobs or []
             if out.prompt_logprobs is not None:
                 prompt_lps[k] = out.prompt_logprobs
+            tally.add(k, out)
             if out.finished:
                 finish[k] = (out.finish_reason, out.stop_reason)
-                completion_tokens += out.num_output_tokens
-                cached += out.num_cached_tokens
     except Exception as error:  # the engine's failure, shown to this client only
         raise stream_error(error) from None
     choices = []
@@ -91,7 +89,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = _prompt_logprobs(ctx, prompt_lps[k])
         choices.append(choice)
-    return JSONResponse({**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)})
+    return JSONResponse({**base, "choices": choices, "usage": tally.usage()})
 
 
 def _prompt_logprobs(ctx: ServingContext, entries: list | None) -> list | None:
@@ -114,14 +112,14 @@ def _prompt_logprobs(ctx: ServingContext, entries: list | None) -> list | None:
 
 
 async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list, base: dict, echo: list[str],
-                  prompt_tokens: int) -> AsyncIterator[dict]:
+                  tally: UsageTally) -> AsyncIterator[dict]:
     offsets = [len(e) for e in echo]
     for k, prefix in enumerate(echo):
         if prefix:
             yield {**base, "choices": [{"index": k, "text": prefix, "logprobs": None, "finish_reason": None}]}
-    completion_tokens = cached = 0
     try:
         async for k, out in merge(streams):
+            tally.add(k, out)
             lp = None
             if req.logprobs is not None and out.logprobs:
                 lp = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[k])
@@ -132,10 +130,7 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list, ba
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                 yield {**base, "choices": [choice]}
-            if out.finished:
-                completion_tokens += out.num_output_tokens
-                cached += out.num_cached_tokens
     except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]
         raise stream_error(error) from None
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield {**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)}
+    if wants_usage_chunk(req):
+        yield {**base, "choices": [], "usage": tally.usage()}

@@ -193,10 +193,40 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TextOu
             await stream.aclose()
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+class UsageTally:
+    """Token counts of one HTTP request's choices, for OpenAI's `usage` object.
+
+    Choice k samples prompt k // n. A prompt is counted once however many samples it has, and its
+    cached tokens are the fewest any of its samples found, so cached_tokens never exceeds prompt_tokens
+    (later samples of one prompt may hit blocks an earlier one just computed).
+    """
+
+    __slots__ = ("_prompt_lens", "_n", "_cached", "completion_tokens")
+
+    def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self._prompt_lens = prompt_lens
+        self._n = n
+        self._cached: list[int | None] = [None] * len(prompt_lens)
+        self.completion_tokens = 0
+
+    def add(self, k: int, out: TextOutput) -> None:
+        """Count choice k's output if it is the final one."""
+        if not out.finished:
+            return
+        self.completion_tokens += out.num_output_tokens
+        i = k // self._n
+        seen = self._cached[i]
+        self._cached[i] = out.num_cached_tokens if seen is None else min(seen, out.num_cached_tokens)
+
+    def usage(self) -> dict:
+        prompt_tokens = sum(self._prompt_lens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(c or 0 for c in self._cached)}}
+
+
+def wants_usage_chunk(req: SamplingFields) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
 
 
 def check_logprobs(value: int | None, param: str) -> None:

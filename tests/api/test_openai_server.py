@@ -270,3 +270,16 @@ def test_repeated_prompt_reports_prefix_cache_hits_and_cache_salt_isolates(serve
     cached(cache_salt="warm")
     assert cached(cache_salt="warm") >= 16  # at least one full KV block came from the cache
     assert cached(cache_salt="other-tenant") == 0
+
+
+def test_usage_counts_each_prompt_once_whatever_n(client):
+    prompt = "A long prompt about dragons, castles and knights that spans more than one KV block. " * 2
+    warm = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    r = client.completions.create(model=MODEL, prompt=[prompt, "short"], max_tokens=2, n=3)
+    short = client.completions.create(model=MODEL, prompt="short", max_tokens=1).usage.prompt_tokens
+    assert r.usage.prompt_tokens == warm.usage.prompt_tokens + short
+    assert r.usage.completion_tokens == 12
+    # Samples 2 and 3 of a prompt may hit blocks sample 1 just wrote: still never more than the prompt.
+    assert 16 <= r.usage.prompt_tokens_details.cached_tokens <= warm.usage.prompt_tokens
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, n=4)
+    assert chat.usage.prompt_tokens_details.cached_tokens <= chat.usage.prompt_tokens
