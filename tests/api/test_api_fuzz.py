@@ -41,10 +41,13 @@ def post(server, path: str, body: dict) -> tuple[int, bytes]:
     return raw(server, "POST", path, json.dumps(body).encode(), headers=f"authorization: Bearer {KEY}\r\n")
 
 
-def check_response(code: int, payload: bytes) -> None:
+def check_response(code: int, payload: bytes, is_stream: bool) -> None:
     if code == 200:
-        if payload.startswith(b"data: ") or b"\r\ndata: " in payload or b"data: " in payload[:64]:
-            assert b"data: [DONE]" in payload
+        if is_stream:  # chunked SSE: events, then [DONE] last
+            assert b"data: " in payload and payload.rstrip().endswith(b"data: [DONE]\n\n\r\n0"), payload[-80:]
+        else:
+            body = json.loads(payload)
+            assert body["choices"] and body["usage"]["total_tokens"] >= 1, body
         return
     assert 400 <= code < 500, (code, payload[:300])
     error = json.loads(payload)["error"]
@@ -62,7 +65,7 @@ def test_random_fields_get_200_or_an_openai_error(server, overrides, path):
     if isinstance(body.get("n"), int) and body["n"] > 4:
         body["n"] = 4
     code, payload = post(server, path, body)
-    check_response(code, payload)
+    check_response(code, payload, body.get("stream") is True)
 
 
 def test_server_still_serves_after_the_fuzz_and_nothing_leaks(server):
