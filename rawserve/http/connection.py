@@ -1,5 +1,5 @@
 """One task per socket: h11 parses, this enforces limits, timeouts and keep-alive, runs the handler,
-writes the response, and watches for the client leaving while the handler runs.
+writes the response, and cancels the handler when the client leaves while it runs.
 
 Knows nothing of what a route means. h11 is used sans-IO and only to parse: a fresh h11.Connection
 per request (the bytes it did not consume carry over), and response bytes are written by hand.
@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("rawserve.http")
 
 _READ_BYTES = 65536
-# A handler still running after this long gets a socket watcher. Quick handlers finish first and
-# never pay for the watcher task; with the server's tick a disconnect is still seen within ~50 ms.
-WATCH_AFTER_S = 0.02
 _NEVER = float("inf")
 # After a refusal with a body left unread, keep reading (and dropping) a little before closing, so
 # the kernel does not answer the client's in-flight bytes with a reset that eats our response.
@@ -66,10 +63,9 @@ class Connection:
         # per request: arming one is then a float store, which matters at 10k+ requests/s.
         self.deadline = _NEVER
         self.deadline_reason = IDLE
-        self.watch_at = _NEVER
-        self._watcher: asyncio.Task | None = None
         self._stop_reason: str | None = None
-        self._eof = False
+        self._eof = False  # the peer sent EOF or vanished
+        self._in_handler = False  # from the handler's start to the end of its response
         self._must_linger = False
         self._response_started = False
         self._is_chunked = True
@@ -108,9 +104,8 @@ class Connection:
                 await self._linger()
         finally:
             self._set_busy(False)
-            self.deadline = self.watch_at = _NEVER
-            if self._watcher is not None:
-                self._watcher.cancel()
+            self.deadline = _NEVER
+            self._in_handler = False
             self._close_transport()
             self._server._forget(self)
 
@@ -150,16 +145,22 @@ class Connection:
             self.is_busy = is_busy
             self._server._on_busy(is_busy)
 
-    # --- timers and the socket watcher -----------------------------------------------------
+    # --- timers and the peer leaving ------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Called by the server every TICK_S: fire a due deadline, start a due watcher."""
+        """Called by the server every TICK_S: fire a due deadline."""
         if now >= self.deadline:
             self.deadline = _NEVER
             self.stop(self.deadline_reason)
-        if now >= self.watch_at:
-            self.watch_at = _NEVER
-            self._start_watch()
+
+    def peer_gone(self) -> None:
+        """The transport saw EOF or a reset (the server's StreamProtocol calls this). While a
+        handler runs that cancels it, which is what aborts its engine request; between requests
+        the next read sees the EOF by itself. Bytes the client pipelined before leaving stay in
+        the reader: EOF is not mistaken for them, nor they for EOF."""
+        self._eof = True
+        if self._in_handler:
+            self.stop(CLIENT_GONE)
 
     def _arm(self, deadline: float, reason: str) -> None:
         self.deadline = deadline
@@ -167,38 +168,6 @@ class Connection:
 
     def _disarm(self) -> None:
         self.deadline = _NEVER
-
-    def _start_watch(self) -> None:
-        if self._watcher is None and not self._eof:
-            self._watcher = self._loop.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """Read while the handler runs: EOF or reset cancels the handler; pipelined bytes are kept."""
-        buffer = self._buffer
-        cap = max(self._config.max_header_bytes, 256 * 1024)
-        try:
-            while True:
-                if len(buffer) > cap:
-                    return  # stop watching rather than buffer a flood of pipelined bytes
-                data = await self._reader.read(_READ_BYTES)
-                if not data:
-                    break
-                buffer += data
-        except (ConnectionError, OSError):
-            pass
-        self._eof = True
-        self.stop(CLIENT_GONE)
-
-    async def _stop_watch(self) -> None:
-        self.watch_at = _NEVER
-        watcher = self._watcher
-        if watcher is None:
-            return
-        self._watcher = None
-        if not watcher.done():
-            watcher.cancel()
-            # Wait for it to leave reader.read(): the reader allows one waiter at a time.
-            await asyncio.wait((watcher,))
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -336,9 +305,11 @@ class Connection:
         if head.content_length is not None and head.content_length > config.max_body_bytes:
             raise _Refusal(_too_large(head.content_length, config.max_body_bytes))
 
-        if head.expects_continue and has_body:
-            self._write(_CONTINUE)
-        request.body = await self._read_body(parser)
+        if has_body:
+            if head.expects_continue:
+                self._write(_CONTINUE)
+            request.body = await self._read_body(parser)
+        # Without a body h11's EndOfMessage is certain; skip asking for it (a tenth of the parse).
         self._buffer += parser.trailing_data[0]
         if self._buffer and not keep_alive:
             self._buffer.clear()  # bytes after a request that closes the connection are ignored
@@ -349,9 +320,11 @@ class Connection:
             self._send(response, keep_alive)
             if self._transport.get_write_buffer_size() > _READ_BYTES:
                 await self._writer.drain()
-            await self._stop_watch()
+            self._in_handler = False
             return keep_alive
-        return await self._stream(response, keep_alive)
+        keep_alive = await self._stream(response, keep_alive)
+        self._in_handler = False
+        return keep_alive
 
     async def _answer_early(self, parser: h11.Connection, response: Response, head: RequestHead,
                             keep_alive: bool) -> bool:
@@ -362,7 +335,8 @@ class Connection:
         close = not keep_alive or self._server.is_draining or (has_body and (
             head.expects_continue or head.is_chunked or head.content_length > self._config.max_body_bytes))
         if not close:
-            await self._read_body(parser)  # also steps h11 past the end of a bodiless request
+            if has_body:
+                await self._read_body(parser)
             self._buffer += parser.trailing_data[0]
         self._must_linger = close and has_body
         self._send(response, keep_alive=not close)
@@ -370,7 +344,9 @@ class Connection:
 
     async def _call(self, handler: Handler, request: Request) -> Response | sse.SSEResponse:
         """Run the handler; an APIError or a crash before the response starts becomes its answer."""
-        self.watch_at = self._loop.time() + WATCH_AFTER_S
+        self._in_handler = True
+        if self._eof:  # the client left before its handler could start: it runs to no one
+            self.stop(CLIENT_GONE)
         try:
             response = await handler(request)
         except APIError as error:
@@ -378,7 +354,6 @@ class Connection:
         except Exception:  # the client gets a 500; the operator gets the traceback
             logger.exception("handler for %s %s failed", request.method, request.path)
             response = _internal_error()
-        self.watch_at = _NEVER
         if self._stop_reason is not None:
             raise asyncio.CancelledError  # the handler swallowed our cancellation; honour it
         if not isinstance(response, (Response, sse.SSEResponse)):
@@ -399,13 +374,7 @@ class Connection:
     async def _stream(self, response: sse.SSEResponse, keep_alive: bool) -> bool:
         keep_alive = keep_alive and self._is_chunked  # HTTP/1.0: the close marks the end
         self._write(sse.encode_head(response, self._is_chunked, keep_alive, self._cors_lines))
-        if self._watcher is None:  # as for a handler: a stream that lasts gets a watcher
-            self.watch_at = self._loop.time() + WATCH_AFTER_S
-        sink = sse.TransportSink(self._writer, self._is_chunked)
-        is_clean = await sse.stream(response, sink, self._config.sse_ping_interval_s)
-        sink.end()
-        await self._writer.drain()
-        await self._stop_watch()
+        is_clean = await sse.stream(response, self._writer, self._is_chunked, self._config.sse_ping_interval_s)
         return keep_alive and is_clean and not self._server.is_draining
 
 

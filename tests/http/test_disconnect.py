@@ -77,7 +77,7 @@ async def test_client_closing_during_a_unary_handler_cancels_it_within_100ms():
     async with serve(waiting_router(probe)) as server:
         async with client(server.port) as c:
             await c.send(build_request("GET", "/unary"))
-            await probe.started.wait()  # closes right away, before any watcher could have started
+            await probe.started.wait()  # closes right away, while the handler sleeps
             closed_at = time.monotonic()
         await wait_for_cancel(probe, server)
         assert probe.cancelled_at - closed_at < 0.1
@@ -105,7 +105,7 @@ async def test_pipelined_request_during_a_slow_handler_is_kept_not_taken_for_eof
 
     async def slow(request: Request) -> JSONResponse:
         try:
-            await asyncio.sleep(0.2)  # long enough for the watcher to be reading
+            await asyncio.sleep(0.2)  # /b's bytes arrive meanwhile, and must not read as EOF
         except asyncio.CancelledError:
             cancelled.append(True)
             raise
@@ -122,3 +122,40 @@ async def test_pipelined_request_during_a_slow_handler_is_kept_not_taken_for_eof
         assert (await c.read_reply()).json() == {"n": "/b"}
         assert (await c.request("GET", "/a")).status == 200
     assert cancelled == []
+
+
+async def test_client_leaving_while_the_stream_waits_on_a_full_socket_cancels_it_within_100ms():
+    """A client that stops reading makes the stream wait in drain(); its leaving must still be seen
+    at once (no write will ever fail to tell us), the stream cancelled and its generator closed."""
+    probe = Probe()
+    blob = "x" * 65536
+
+    async def flood(request: Request) -> SSEResponse:
+        async def events() -> AsyncIterator[dict]:
+            try:
+                for _ in range(100_000):
+                    probe.started.set()
+                    yield {"blob": blob}
+            finally:  # the cancellation lands in drain(), so the generator sees only its close
+                probe.cancelled_at = time.monotonic()
+                probe.cleaned_up = True
+        return SSEResponse(events())
+
+    router = Router()
+    router.add("GET", "/flood", flood)
+    async with serve(router) as server:
+        async with client(server.port) as c:
+            sock = c.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.writer.transport.pause_reading()  # a client that stopped reading
+            await c.send(build_request("GET", "/flood"))
+            await asyncio.wait_for(probe.started.wait(), 5)
+            await asyncio.sleep(0.3)  # the kernel's buffers and the transport's fill; drain() waits
+            assert probe.cancelled_at is None and server.num_in_flight == 1
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            closed_at = time.monotonic()
+            c.writer.transport.abort()
+        await wait_for_cancel(probe, server)
+        assert probe.cancelled_at - closed_at < 0.1
+        assert probe.cleaned_up
+        assert server.num_in_flight == 0
