@@ -82,6 +82,9 @@ class ServerConfig:
     header_timeout_s: float = field(default=10.0, metadata={
         "help": "Time to receive a request's line and headers (slowloris guard); 408 after it."})
     body_timeout_s: float = field(default=30.0, metadata={"help": "Time to receive a request body; 408 after it."})
+    write_timeout_s: float = field(default=60.0, metadata={
+        "help": "Time a response may wait on a client that reads nothing; then the connection is "
+                "dropped and its request aborted."})
     max_header_bytes: int = field(default=16384, metadata={"help": "Limit on request line + headers; 431 past it."})
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "Limit on a request body; 413 past it."})
     max_connections: int = field(default=1024, metadata={"help": "Open connections at most; more are refused."})
@@ -101,7 +104,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "drain_timeout_s", "request_timeout_s"):
+        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
+                     "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")
         for name in ("max_header_bytes", "max_body_bytes", "max_connections", "max_pending"):

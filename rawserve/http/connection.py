@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from typing import TYPE_CHECKING
 
 import h11
@@ -34,6 +36,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 IDLE = "idle timeout"
 HEAD_TIMEOUT = "header timeout"
 BODY_TIMEOUT = "body timeout"
+WRITE_TIMEOUT = "write timeout"
 CLIENT_GONE = "client gone"
 SHUTDOWN = "server shutdown"
 
@@ -89,7 +92,7 @@ class Connection:
                         break
                     # A stream is written from here, at the top of this task's await chain: every
                     # token resumes the whole chain, and each level of it costs ~40 ns a token.
-                    is_clean = await sse.stream(outcome, self._writer, self._is_chunked,
+                    is_clean = await sse.stream(outcome, self._transport, self._drain, self._is_chunked,
                                                 self._config.sse_ping_interval_s)
                     self._in_handler = False
                     self._set_busy(False)
@@ -133,10 +136,22 @@ class Connection:
         transport = self._transport
         if transport.is_closing():
             return
+        if self._stop_reason == WRITE_TIMEOUT:
+            logger.info("dropping %s: it read nothing for %s s", self._client, self._config.write_timeout_s)
+            # A reset, as nginx's reset_timedout_connection: a plain close would leave the kernel
+            # trickling megabytes of unread response to a client that is not reading.
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
+            transport.abort()
+            return
         transport.close()
         if transport.get_write_buffer_size():
             # close() waits for the buffer to flush; a client that never reads must not pin us.
-            self._loop.call_later(self._config.keep_alive_s, transport.abort)
+            self._loop.call_later(self._config.write_timeout_s, transport.abort)
 
     async def _linger(self) -> None:
         async def discard() -> None:
@@ -336,7 +351,7 @@ class Connection:
         if isinstance(response, Response):
             self._send(response, keep_alive)
             if self._transport.get_write_buffer_size() > _READ_BYTES:
-                await self._writer.drain()
+                await self._drain()
             self._in_handler = False
             return keep_alive
         self._stream_keeps_alive = keep_alive and self._is_chunked  # HTTP/1.0: the close ends the body
@@ -384,6 +399,15 @@ class Connection:
     def _write(self, data: bytes) -> None:
         self._response_started = True
         self._transport.write(data)
+
+    async def _drain(self) -> None:
+        """Wait for the client to take what is buffered, for at most `write_timeout_s`: a client that
+        stops reading must not hold its request (and the engine's blocks) for ever."""
+        self._arm(self._loop.time() + self._config.write_timeout_s, WRITE_TIMEOUT)
+        try:
+            await self._writer.drain()
+        finally:
+            self._disarm()
 
     def _send(self, response: Response, keep_alive: bool) -> None:
         self._write(encode_response(response, keep_alive, self._cors_lines, head_only=self._is_head))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 
@@ -92,19 +92,19 @@ class _Pinger:
         self._handle.cancel()
 
 
-async def stream(response: SSEResponse, writer: asyncio.StreamWriter, is_chunked: bool,
-                 ping_interval_s: float) -> bool:
+async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain: Callable[[], Awaitable[None]],
+                 is_chunked: bool, ping_interval_s: float) -> bool:
     """Write every event (awaiting drain after each, so a slow client slows only itself), then
     `[DONE]` and the end of the body. True when the stream ended cleanly; False when a failure
     went out as an error event (the caller then closes the connection). Cancellation propagates:
     that is a client leaving.
 
     The loop is the hot path of every token a server sends: it frames and writes in one step,
-    and awaits drain() only when the transport holds unsent bytes (otherwise it could not wait).
+    and awaits `drain()` (the connection's, which bounds the wait) only when the transport holds
+    unsent bytes; otherwise it could not wait.
     """
     events = response.events
-    transport = writer.transport
-    write, buffered, drain, dumps = transport.write, transport.get_write_buffer_size, writer.drain, orjson.dumps
+    write, buffered, dumps = transport.write, transport.get_write_buffer_size, orjson.dumps
     ping = frame(PING, is_chunked)
     pinger = _Pinger(lambda: write(ping), ping_interval_s) if ping_interval_s > 0 else None
     clock = asyncio.get_running_loop().time

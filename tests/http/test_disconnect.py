@@ -7,6 +7,8 @@ import struct
 import time
 from typing import AsyncIterator
 
+import pytest
+
 from rawserve.http import JSONResponse, Request, Router, SSEResponse
 from tests.http.harness import build_request, client, serve
 
@@ -159,3 +161,63 @@ async def test_client_leaving_while_the_stream_waits_on_a_full_socket_cancels_it
         assert probe.cancelled_at - closed_at < 0.1
         assert probe.cleaned_up
         assert server.num_in_flight == 0
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout():
+    """No EOF ever comes from a client that just stops reading; the write timeout must end its
+    stream (closing the generator, which is what aborts an engine request) and its connection."""
+    closed_at: list[float] = []
+    started = asyncio.Event()
+    blob = "x" * 65536
+
+    async def flood(request: Request) -> SSEResponse:
+        async def events() -> AsyncIterator[dict]:
+            try:
+                while True:
+                    started.set()
+                    yield {"blob": blob}
+            finally:
+                closed_at.append(time.monotonic())
+        return SSEResponse(events())
+
+    router = Router()
+    router.add("GET", "/flood", flood)
+    async with serve(router, write_timeout_s=0.3) as server:
+        async with client(server.port) as c:
+            c.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.writer.transport.pause_reading()
+            await c.send(build_request("GET", "/flood"))
+            await asyncio.wait_for(started.wait(), 5)
+            stalled_at = time.monotonic()
+            for _ in range(300):
+                if closed_at and server.num_connections == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert closed_at, "the stalled stream was never ended"
+            assert 0.25 < closed_at[0] - stalled_at < 1.0
+            assert server.num_connections == 0 and server.num_in_flight == 0
+            c.writer.transport.resume_reading()
+            # The server reset the connection (nothing more trickles out of its kernel buffers).
+            with pytest.raises(ConnectionResetError):
+                while await asyncio.wait_for(c.reader.read(1 << 20), 2):
+                    pass
+
+
+async def test_a_slow_reader_within_the_write_timeout_gets_the_whole_stream():
+    blob = "y" * 65536
+
+    async def burst(request: Request) -> SSEResponse:
+        async def events() -> AsyncIterator[dict]:
+            for n in range(40):  # 2.6 MB: well past every buffer, so the stream waits on drain()
+                yield {"n": n, "blob": blob}
+        return SSEResponse(events())
+
+    router = Router()
+    router.add("GET", "/burst", burst)
+    async with serve(router, write_timeout_s=0.5) as server, client(server.port) as c:
+        await c.send(build_request("GET", "/burst"))
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            await asyncio.sleep(0.05)  # reads in slow sips, but never stalls for the whole timeout
+            data += await asyncio.wait_for(c.reader.read(256 * 1024), 3)
+        assert data.count(b'"blob"') == 40 and b"data: [DONE]" in data
