@@ -63,4 +63,4 @@ async def detokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     req = parse(DetokenizeRequest, request.json())
     ctx.check_model(req.model)
     ctx.check_prompt_ids(req.tokens or [0], "tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+    return JSONResponse({"prompt": await ctx.decode(req.tokens)})

@@ -98,7 +98,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
         req.max_tokens = req.max_completion_tokens
     text, use_tools = render_prompt(ctx, req)
     # The template already put BOS (or not) where the model wants it.
-    ids = await ctx.encode(text, add_special_tokens=False)
+    ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs)

@@ -27,7 +27,7 @@ async def _prompts(ctx: ServingContext, prompt) -> tuple[list[list[int]], list[s
     for k, p in enumerate(prompt):
         param = "prompt" if len(prompt) == 1 else f"prompt.{k}"
         if isinstance(p, str):
-            tokens = await ctx.encode(p)
+            tokens = await ctx.encode(p, prompt_param=param)
             texts.append(p)
         else:
             tokens = list(p)
@@ -61,8 +61,10 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
     n = params[0].n
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
     tally = UsageTally([len(p) for p in prompts], n)
-    echo = [(texts[k // n] if texts[k // n] is not None else ctx.tokenizer.decode(prompts[k // n]))
-            if req.echo else "" for k in range(len(streams))]
+    echo = [""] * len(streams)
+    if req.echo:
+        decoded = [text if text is not None else await ctx.decode(ids) for text, ids in zip(texts, prompts)]
+        echo = [decoded[k // n] for k in range(len(streams))]
     if req.stream:
         return SSEResponse(_chunks(ctx, req, streams, base, echo, tally))
     text = list(echo)

@@ -15,10 +15,12 @@ from rawserve.engine.async_llm import AsyncLLM, RequestStream, TextOutput
 from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from rawserve.errors import APIError, EngineDead, Overloaded
 from rawserve.text.defaults import GenerationDefaults
-from rawserve.text.tokenizer import Tokenizer
+from rawserve.text.tokenizer import Tokenizer, TooManyTokens
 
-# Prompts longer than this are tokenized in a thread, so the event loop keeps serving others.
-_THREAD_TOKENIZE_CHARS = 8192
+# Prompts longer than this are tokenized in a thread, and id lists longer than this decoded in
+# one, so the event loop keeps serving others.
+_THREAD_TOKENIZE_CHARS = 4096
+_THREAD_DECODE_IDS = 4096
 # Per-request bounds on work done for every generated token (stop-string scans on the event loop,
 # bias tensors in the core): without them one request could slow every other stream.
 MAX_STOP_STRINGS = 64
@@ -44,10 +46,26 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
                            type="NotFoundError")
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None) -> list[int]:
+        """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its
+        field), one that leaves no room for a completion is refused without building its ids."""
+        limit = None if prompt_param is None else self.max_model_len - 1
+        try:
+            if len(text) > _THREAD_TOKENIZE_CHARS:
+                return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens, limit)
+            return self.tokenizer.encode(text, add_special_tokens, limit)
+        except TooManyTokens as too_many:
+            raise self.context_exceeded(too_many.num_tokens, prompt_param) from None
+
+    def context_exceeded(self, prompt_len: int, prompt_param: str | None) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                             f"your prompt has {prompt_len} tokens, leaving no room for a completion.",
+                        param=prompt_param, code="context_length_exceeded")
+
+    async def decode(self, ids: list[int]) -> str:
+        if len(ids) > _THREAD_DECODE_IDS:
+            return await asyncio.to_thread(self.tokenizer.decode, ids)
+        return self.tokenizer.decode(ids)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, default_max_tokens: int | None,
                         prompt_param: str, *, logprobs: int | None = None,
@@ -57,9 +75,7 @@ class ServingContext:
             raise APIError(400, "Guided decoding (guided_json, guided_regex) is not supported by this server yet.",
                            param="guided_json" if req.guided_json is not None else "guided_regex")
         if prompt_len >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"your prompt has {prompt_len} tokens, leaving no room for a completion.",
-                           param=prompt_param, code="context_length_exceeded")
+            raise self.context_exceeded(prompt_len, prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - prompt_len
@@ -110,6 +126,8 @@ class ServingContext:
     def check_prompt_ids(self, ids: Sequence[int], param: str) -> None:
         if not ids:
             raise APIError(400, "The prompt is empty.", param=param)
+        if min(ids) >= 0 and max(ids) < self.vocab_size:  # C-level; the scan below only finds the culprit
+            return
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", param=param)

@@ -70,6 +70,11 @@ def _is_union(tp: Any) -> bool:
     return isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
 
 
+# Element types whose every valid value has exactly this Python type after orjson decodes it
+# (float is absent: an int is accepted as a float and converted).
+_EXACT_SCALARS: dict[Any, set[type]] = {int: {int}, str: {str}, bool: {bool}}
+
+
 def _build(tp: Any) -> Converter:
     if tp is typing.Any or tp is object:
         return lambda value, path: value
@@ -114,10 +119,19 @@ def _build(tp: Any) -> Converter:
         return _build_literal(args)
     if tp is list or origin is list:
         item = converter(args[0]) if args else converter(typing.Any)
+        exact = _EXACT_SCALARS.get(args[0]) if args else None
 
         def array(value: Any, path: str) -> list:
             if type(value) is not list:
                 raise _type_error(path, "an array", value)
+            # A list of one JSON scalar type (token ids, stop strings) is checked in one C-level
+            # pass: a request of millions of ids must not hold the event loop for each one's path.
+            if exact is not None:
+                if value and set(map(type, value)) != exact:
+                    for i, v in enumerate(value):  # find the first misfit; only its path is built
+                        if type(v) not in exact:
+                            item(v, _join(path, i))  # raises that element's error
+                return value
             return [item(v, _join(path, i)) for i, v in enumerate(value)]
         return array
     if tp is dict or origin is dict:

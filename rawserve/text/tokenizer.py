@@ -19,6 +19,16 @@ from rawserve.text.chat_template import checkpoint_chat_template
 # <0xNN> byte-fallback runs and an optional leading-space strip (Llama 2, Mistral, stories260k).
 # "window": a decoder we do not model; the detokenizer re-decodes a small window of ids.
 BYTE_LEVEL, PIECES, WINDOW = "byte_level", "pieces", "window"
+# Texts and id lists longer than this go through `tokenizers`' batch calls, which release the GIL.
+_RELEASE_GIL_AT = 4096
+
+
+class TooManyTokens(ValueError):
+    """Tokenizer.encode's result is over its `max_tokens`; `num_tokens` says by how much."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"the text is {num_tokens} tokens")
+        self.num_tokens = num_tokens
 
 
 def _gpt2_byte_map() -> dict[str, int]:
@@ -176,12 +186,21 @@ class Tokenizer:
 
     # ----- text <-> ids
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Ids for text; special tokens written in the text are recognised. add_special_tokens
-        runs the post-processor (e.g. Llama 3's BOS)."""
+        runs the post-processor (e.g. Llama 3's BOS). With `max_tokens`, a longer result raises
+        TooManyTokens before its ids become a Python list (a tenth of a second per million)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _RELEASE_GIL_AT:
+            # The batch call runs without the GIL; the single one holds it for the whole text (about
+            # 3 s for 6 MB), which stalls the event loop even when called from a worker thread.
+            encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise TooManyTokens(len(encoding))
+        return encoding.ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts at once; the Rust side runs them in parallel without the GIL."""
@@ -191,12 +210,15 @@ class Tokenizer:
         """Text for ids, exactly as `tokenizers` decodes them. Ids past the vocabulary (a model's
         padded embedding rows) decode to nothing, as in `tokenizers`."""
         ids = list(ids)
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                raise ValueError(f"token ids must be non-negative integers, got {i!r}")
+        if ids and (set(map(type, ids)) != {int} or min(ids) < 0):  # one C-level pass for the common case
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                    raise ValueError(f"token ids must be non-negative integers, got {i!r}")
         size = self.vocab_size
         if ids and max(ids) >= size:  # dropped here too: ids past 2**32 would overflow the Rust call
             ids = [i for i in ids if i < size]
+        if len(ids) > _RELEASE_GIL_AT:  # as in encode(): the batch call lets go of the GIL
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:

@@ -217,6 +217,36 @@ def test_health_metrics_tokenize_detokenize(server, client):
     assert json.loads(payload)["prompt"] == "héllo wörld"
 
 
+def test_long_inputs_take_the_gil_free_paths_and_give_the_same_answers(server, client):
+    """Texts and id lists past 4,096 go through tokenizers' batch calls (which let other threads
+    run); the answers must be those of the plain calls, and an over-long prompt is refused with its
+    exact token count without its ids ever being built."""
+    tokenizer = server.app.tokenizer
+    text = "Once upon a time, a dragon drank tea. " * 400  # ~15k characters
+    code, payload = raw(server, "POST", "/tokenize", json.dumps({"prompt": text, "add_special_tokens": False}).encode())
+    assert code == 200
+    ids = json.loads(payload)["tokens"]
+    assert ids == tokenizer._tok.encode(text, add_special_tokens=False).ids and len(ids) > 4096
+    code, payload = raw(server, "POST", "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert code == 200 and json.loads(payload)["prompt"] == tokenizer._tok.decode(ids) == text
+    count = len(tokenizer._tok.encode(text).ids)
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": text}]})):
+        code, payload = raw(server, "POST", path, json.dumps(body).encode())
+        error = json.loads(payload)["error"]
+        assert code == 400 and error["code"] == "context_length_exceeded", payload
+        assert error["param"] == ("prompt" if path == "/v1/completions" else "messages")
+    assert f"your prompt has {count} tokens" in raw(server, "POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": text, "max_tokens": 1}).encode())[1].decode()
+    # A bad id deep inside a long list is named by its index.
+    code, payload = raw(server, "POST", "/detokenize", json.dumps({"tokens": ids[:-1] + [1.5]}).encode())
+    assert code == 400 and json.loads(payload)["error"]["param"] == f"tokens.{len(ids) - 1}"
+    code, payload = raw(server, "POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": ids[:100] + [-1], "max_tokens": 1}).encode())
+    assert code == 400 and "Token id -1 is out of vocabulary" in json.loads(payload)["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=1).choices
+
+
 def test_tool_call_output_accumulates_into_openai_message():
     from rawserve.api.chat import _accumulate
     from rawserve.text.parsers import OutputParser

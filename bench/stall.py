@@ -1,0 +1,142 @@
+"""How long one hostile request stalls everyone else's token streams.
+
+    python -m bench.stall [--hostile-mb 6] [--engine-mode process]
+
+Serves the demo model with `python -m rawserve`, keeps one long streaming completion going, and
+reads its events on a raw socket, timing the gap between consecutive events. Then it sends, one
+at a time, requests that make the server do a lot of work on its event loop's side: a multi-MB
+text prompt (refused for its length after tokenizing), a multi-MB /tokenize, and /detokenize of
+millions of ids. Prints one JSON line per case: the largest gap between the stream's events while
+that request was being answered, against the stream's own p99 gap when nothing else happens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from bench.http import free_port, git_rev
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def post(port: int, path: str, body: bytes, timeout: float = 120.0) -> tuple[int, float]:
+    """-> (status, seconds to the whole answer)."""
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        data = bytearray()
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), time.perf_counter() - started
+
+
+class StreamWatch(threading.Thread):
+    """Keeps one streaming completion going (a new one when one ends) and records when each event
+    arrived; gaps are only counted within one stream."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.arrivals: list[tuple[float, int]] = []  # (time, stream number)
+        self.stop = False
+
+    def run(self) -> None:
+        body = json.dumps({"prompt": "Once upon a time", "ignore_eos": True, "stream": True}).encode()
+        number = 0
+        while not self.stop:
+            number += 1
+            with socket.create_connection(("127.0.0.1", self.port)) as sock:
+                sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+                while not self.stop and (chunk := sock.recv(1 << 16)):
+                    if b"data: {" in chunk:
+                        self.arrivals.append((time.perf_counter(), number))
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """Gaps between consecutive events of one stream, for every gap that overlaps [start, end]."""
+        arrivals = list(self.arrivals)
+        return [b - a for (a, sa), (b, sb) in zip(arrivals, arrivals[1:]) if sa == sb and b >= start and a <= end]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hostile-mb", type=float, default=6.0, help="Size of each hostile request body.")
+    parser.add_argument("--engine-mode", default="process", choices=("process", "thread"))
+    args = parser.parse_args()
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rawserve", "--port", str(port), "--engine-mode", args.engine_mode,
+                             "--max-body-bytes", str(int(args.hostile_mb * 2**20) + 65536)],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if post(port, "/tokenize", b'{"prompt": "warm up"}', 5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
+        size = int(args.hostile_mb * 2**20)
+        sentence = "Once upon a time, a dragon drank tea. "
+        text = sentence * (size // len(sentence))
+        sample = _tokenize(port, sentence * 200)  # real ids of the server's own tokenizer
+        ids = (sample * (size // (len(json.dumps(sample)) + 1) + 1))[: size // 6]
+        cases = {
+            "completion_text_prompt": ("/v1/completions", {"model": "rawserve-demo", "prompt": text, "max_tokens": 1}),
+            "tokenize_text": ("/tokenize", {"prompt": text}),
+            "detokenize_ids": ("/detokenize", {"tokens": ids}),
+        }
+        watch = StreamWatch(port)
+        watch.start()
+        time.sleep(2.0)  # the stream settles into its pace
+        calm_start = time.perf_counter()
+        time.sleep(2.0)
+        calm = sorted(watch.gaps(calm_start, time.perf_counter()))
+        calm_p99 = calm[int(0.99 * (len(calm) - 1))]
+        rev = git_rev()
+        for name, (path, payload) in cases.items():
+            body = json.dumps(payload).encode()
+            start = time.perf_counter()
+            status, seconds = post(port, path, body)
+            end = time.perf_counter()
+            time.sleep(0.5)  # let the event after the request arrive
+            print(json.dumps({
+                "bench": "stall", "case": name, "body_mb": round(len(body) / 2**20, 2), "status": status,
+                "request_s": round(seconds, 3), "max_stream_gap_ms": round(max(watch.gaps(start, end)) * 1e3, 1),
+                "calm_p99_gap_ms": round(calm_p99 * 1e3, 2), "engine_mode": args.engine_mode, "rev": rev,
+            }), flush=True)
+        watch.stop = True
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _tokenize(port: int, text: str) -> list[int]:
+    body = json.dumps({"prompt": text, "add_special_tokens": False}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST /tokenize HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n"
+                     f"connection: close\r\n\r\n".encode() + body)
+        data = bytearray()
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    return json.loads(bytes(data).partition(b"\r\n\r\n")[2])["tokens"]
+
+
+if __name__ == "__main__":
+    main()
