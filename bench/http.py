@@ -357,6 +357,14 @@ def server_impl(name: str) -> str:
     return "rawserve.http (h11 parsing, hand-written responses, asyncio streams)"
 
 
+def paired_median(ours: list[float], theirs: list[float]) -> float | None:
+    ratios = sorted(a / b for a, b in zip(ours, theirs) if b)
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    return round(ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2, 3)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -467,6 +475,9 @@ def main() -> None:
                         "bench": "http", "compare": "rawserve/uvicorn", "endpoint": endpoint,
                         "concurrency": concurrency, "metric": key,
                         "throughput_ratio": round(ours[key] / theirs[key], 3) if theirs[key] else None,
+                        # Rounds run side by side, so each round's pair shares that moment's noise
+                        # from other tenants; the median of the paired ratios shrugs off a bad round.
+                        "median_round_ratio": paired_median(points["rawserve"].rates, points["uvicorn"].rates),
                         "p99_ratio": round(ours["p99_ms"] / theirs["p99_ms"], 3) if theirs["p99_ms"] else None,
                         "cpu_efficiency_ratio": round(ours["req_per_server_cpu_s"] / theirs["req_per_server_cpu_s"], 3)
                         if ours["req_per_server_cpu_s"] and theirs["req_per_server_cpu_s"] else None,
