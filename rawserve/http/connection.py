@@ -413,7 +413,6 @@ class Connection:
         self._write(encode_response(response, keep_alive, self._cors_lines, head_only=self._is_head))
 
 
-
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     return APIError(413, f"The request body is {'over ' if at_least else ''}{size} bytes; the limit is {limit}.",
                     code="request_too_large")

@@ -1,8 +1,9 @@
 """Server-sent events: `data: <json>` framing, `[DONE]`, the error event and `: ping` comments.
 
-Owns the streaming loop over a handler's async iterator, writing to the connection's stream
-writer: chunked framing on HTTP/1.1, raw bytes on HTTP/1.0 (where the close ends the body).
-The connection owns the socket, its head and whether it stays open.
+Owns the streaming loop over a handler's async iterator, writing straight to the connection's
+transport: chunked framing on HTTP/1.1, raw bytes on HTTP/1.0 (where the close ends the body).
+The connection owns the socket, the head, how long a drain may wait and whether the socket stays
+open afterwards.
 """
 from __future__ import annotations
 
