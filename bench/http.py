@@ -1,7 +1,7 @@
 """HTTP stack throughput: rawserve's server against uvicorn serving the same raw ASGI app.
 
     python -m bench.http [--duration-s 2] [--warmup-s 0.5] [--rounds 3] [--concurrency 1,64,256] [--events 100]
-                         [--servers rawserve,uvicorn,floor] [--client epoll|asyncio]
+                         [--servers rawserve,uvicorn,floor,floor-h11] [--client epoll|asyncio]
 
 Each server runs in its own subprocess; the load generator (keep-alive, one request in flight per
 connection; an epoll loop by default) runs here. Prints one JSON object per result line on stdout:
