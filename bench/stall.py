@@ -27,8 +27,8 @@ def log(*args: object) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def post(port: int, path: str, body: bytes, timeout: float = 120.0) -> tuple[int, float]:
-    """-> (status, seconds to the whole answer)."""
+def post(port: int, path: str, body: bytes, timeout: float = 120.0) -> tuple[int, bytes, float]:
+    """-> (status, response body, seconds to the whole answer)."""
     started = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -36,7 +36,8 @@ def post(port: int, path: str, body: bytes, timeout: float = 120.0) -> tuple[int
         data = bytearray()
         while chunk := sock.recv(1 << 20):
             data += chunk
-    return int(data.split(b" ", 2)[1]), time.perf_counter() - started
+    head, _, payload = bytes(data).partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload, time.perf_counter() - started
 
 
 class StreamWatch(threading.Thread):
@@ -92,7 +93,9 @@ def main() -> None:
         size = int(args.hostile_mb * 2**20)
         sentence = "Once upon a time, a dragon drank tea. "
         text = sentence * (size // len(sentence))
-        sample = _tokenize(port, sentence * 200)  # real ids of the server's own tokenizer
+        # Real ids of the server's own tokenizer, repeated.
+        sample = json.loads(post(port, "/tokenize", json.dumps({"prompt": sentence * 200,
+                                                                "add_special_tokens": False}).encode())[1])["tokens"]
         ids = (sample * (size // (len(json.dumps(sample)) + 1) + 1))[: size // 6]
         cases = {
             "completion_text_prompt": ("/v1/completions", {"model": "rawserve-demo", "prompt": text, "max_tokens": 1}),
@@ -110,7 +113,7 @@ def main() -> None:
         for name, (path, payload) in cases.items():
             body = json.dumps(payload).encode()
             start = time.perf_counter()
-            status, seconds = post(port, path, body)
+            status, _, seconds = post(port, path, body)
             end = time.perf_counter()
             time.sleep(0.5)  # let the event after the request arrive
             print(json.dumps({
@@ -125,17 +128,6 @@ def main() -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _tokenize(port: int, text: str) -> list[int]:
-    body = json.dumps({"prompt": text, "add_special_tokens": False}).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(f"POST /tokenize HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n"
-                     f"connection: close\r\n\r\n".encode() + body)
-        data = bytearray()
-        while chunk := sock.recv(1 << 20):
-            data += chunk
-    return json.loads(bytes(data).partition(b"\r\n\r\n")[2])["tokens"]
 
 
 if __name__ == "__main__":

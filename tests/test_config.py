@@ -35,6 +35,7 @@ def test_flags_round_trip_into_configs():
     (EngineConfig, {"kv_cache_memory_gb": 0}, "--kv-cache-memory-gb: must be > 0"),
     (ServerConfig, {"port": 70000}, "--port: must be in 0..65535"),
     (ServerConfig, {"keep_alive_s": 0}, "--keep-alive-s: must be > 0"),
+    (ServerConfig, {"write_timeout_s": 0}, "--write-timeout-s: must be > 0"),
     (ServerConfig, {"max_body_bytes": 0}, "--max-body-bytes: must be >= 1"),
     (ServerConfig, {"engine_mode": "fork"}, "--engine-mode: must be thread|process"),
 ])

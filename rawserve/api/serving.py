@@ -15,12 +15,8 @@ from rawserve.engine.async_llm import AsyncLLM, RequestStream, TextOutput
 from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from rawserve.errors import APIError, EngineDead, Overloaded
 from rawserve.text.defaults import GenerationDefaults
-from rawserve.text.tokenizer import Tokenizer, TooManyTokens
+from rawserve.text.tokenizer import RELEASE_GIL_AT, Tokenizer, TooManyTokens
 
-# Prompts longer than this are tokenized in a thread, and id lists longer than this decoded in
-# one, so the event loop keeps serving others.
-_THREAD_TOKENIZE_CHARS = 4096
-_THREAD_DECODE_IDS = 4096
 # Per-request bounds on work done for every generated token (stop-string scans on the event loop,
 # bias tensors in the core): without them one request could slow every other stream.
 MAX_STOP_STRINGS = 64
@@ -51,7 +47,7 @@ class ServingContext:
         field), one that leaves no room for a completion is refused without building its ids."""
         limit = None if prompt_param is None else self.max_model_len - 1
         try:
-            if len(text) > _THREAD_TOKENIZE_CHARS:
+            if len(text) > RELEASE_GIL_AT:  # in a thread, so the loop keeps serving others
                 return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens, limit)
             return self.tokenizer.encode(text, add_special_tokens, limit)
         except TooManyTokens as too_many:
@@ -63,7 +59,7 @@ class ServingContext:
                         param=prompt_param, code="context_length_exceeded")
 
     async def decode(self, ids: list[int]) -> str:
-        if len(ids) > _THREAD_DECODE_IDS:
+        if len(ids) > RELEASE_GIL_AT:
             return await asyncio.to_thread(self.tokenizer.decode, ids)
         return self.tokenizer.decode(ids)
 

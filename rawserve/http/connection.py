@@ -350,8 +350,8 @@ class Connection:
         keep_alive = keep_alive and not server.is_draining
         if isinstance(response, Response):
             self._send(response, keep_alive)
-            if self._transport.get_write_buffer_size() > _READ_BYTES:
-                await self._drain()
+            if self._transport.get_write_buffer_size() > self._transport.get_write_buffer_limits()[1]:
+                await self._drain()  # the one case where it can wait (see sse.stream)
             self._in_handler = False
             return keep_alive
         self._stream_keeps_alive = keep_alive and self._is_chunked  # HTTP/1.0: the close ends the body

@@ -135,7 +135,7 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
             write(frame(encode_error(error), is_chunked))
             ok = False
         write(_DONE_AND_END if is_chunked else DONE)
-        if buffered():
+        if buffered() > full:
             await drain()
         return ok
     finally:

@@ -19,8 +19,9 @@ from rawserve.text.chat_template import checkpoint_chat_template
 # <0xNN> byte-fallback runs and an optional leading-space strip (Llama 2, Mistral, stories260k).
 # "window": a decoder we do not model; the detokenizer re-decodes a small window of ids.
 BYTE_LEVEL, PIECES, WINDOW = "byte_level", "pieces", "window"
-# Texts and id lists longer than this go through `tokenizers`' batch calls, which release the GIL.
-_RELEASE_GIL_AT = 4096
+# Texts and id lists longer than this go through `tokenizers`' batch calls, which release the GIL;
+# a caller on an event loop hands inputs this long to a thread.
+RELEASE_GIL_AT = 4096
 
 
 class TooManyTokens(ValueError):
@@ -192,7 +193,7 @@ class Tokenizer:
         TooManyTokens before its ids become a Python list (a tenth of a second per million)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
-        if len(text) > _RELEASE_GIL_AT:
+        if len(text) > RELEASE_GIL_AT:
             # The batch call runs without the GIL; the single one holds it for the whole text (about
             # 3 s for 6 MB), which stalls the event loop even when called from a worker thread.
             encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
@@ -217,7 +218,7 @@ class Tokenizer:
         size = self.vocab_size
         if ids and max(ids) >= size:  # dropped here too: ids past 2**32 would overflow the Rust call
             ids = [i for i in ids if i < size]
-        if len(ids) > _RELEASE_GIL_AT:  # as in encode(): the batch call lets go of the GIL
+        if len(ids) > RELEASE_GIL_AT:  # as in encode(): the batch call lets go of the GIL
             return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -183,3 +183,23 @@ def test_unsupported_annotation_is_a_programming_error_not_a_400():
         x: tuple[int, int]
     with pytest.raises(TypeError):
         parse(Bad, {"x": [1, 2]})
+
+
+@dataclass
+class Ids:
+    tokens: list[int]
+    flags: list[bool] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+
+
+def test_scalar_lists_are_checked_whole_and_a_misfit_is_named_by_its_index():
+    ids = list(range(10_000))
+    assert parse(Ids, {"tokens": ids}).tokens == ids
+    assert parse(Ids, {"tokens": []}).tokens == []
+    # True is a bool, not an int, even inside a long list; 2.0 is a number, not an integer.
+    for bad in (True, 2.0, "3", None):
+        error = error_of(Ids, {"tokens": ids[:7_000] + [bad] + ids[7_000:]})
+        assert error.param == "tokens.7000", bad
+    assert error_of(Ids, {"tokens": [1], "flags": [True, 0]}).param == "flags.1"
+    assert error_of(Ids, {"tokens": [1], "prompts": [[1, 2], [3, False]]}).param == "prompts.1.1"
+    assert error_of(Chat, {"model": "m", "messages": [], "stop": ["a", "b", 3]}).param == "stop.2"  # inside a union

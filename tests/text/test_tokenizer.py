@@ -100,6 +100,26 @@ def test_decode_rejects_negative_or_non_integer_ids(qwen3_tokenizer):
     with pytest.raises(ValueError, match="text must be a string"):
         qwen3_tokenizer.encode(b"bytes")  # type: ignore[arg-type]
     assert qwen3_tokenizer.decode([9707, 999_999]) == "Hello"  # past the vocabulary: skipped, as in tokenizers
+    with pytest.raises(ValueError, match="non-negative"):
+        qwen3_tokenizer.decode([1, True])  # a bool is not an id, though it is an int to Python
+
+
+def test_long_inputs_take_the_batch_calls_with_the_same_results(qwen3_tokenizer):
+    from rawserve.text.tokenizer import RELEASE_GIL_AT, TooManyTokens
+
+    text = "Hello world, once upon a time. " * 800
+    assert len(text) > RELEASE_GIL_AT
+    ids = qwen3_tokenizer.encode(text)
+    assert ids == qwen3_tokenizer._tok.encode(text).ids and len(ids) > RELEASE_GIL_AT
+    assert qwen3_tokenizer.decode(ids) == qwen3_tokenizer._tok.decode(ids) == text
+    with pytest.raises(ValueError, match="non-negative"):
+        qwen3_tokenizer.decode(ids + [-1])
+    with pytest.raises(TooManyTokens) as too_many:
+        qwen3_tokenizer.encode(text, max_tokens=len(ids) - 1)
+    assert too_many.value.num_tokens == len(ids)
+    assert qwen3_tokenizer.encode(text, max_tokens=len(ids)) == ids
+    with pytest.raises(TooManyTokens):
+        qwen3_tokenizer.encode("Hello world", max_tokens=1)  # the short path checks too
 
 
 def test_from_dir_reads_the_chat_template_from_tokenizer_config(qwen3_tokenizer):
