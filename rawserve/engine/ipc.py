@@ -98,8 +98,9 @@ class LocalSender:
 class _BatchReceiver:
     """Shared by the queue-backed receivers: after the first batch, take every batch already waiting."""
 
-    _q: Any
-    _eof: bool
+    def __init__(self, q: Any) -> None:
+        self._q = q
+        self._eof = False
 
     def _take_rest(self, batch: list, out: list[Message]) -> list[Message]:
         while True:
@@ -115,10 +116,6 @@ class _BatchReceiver:
 
 
 class LocalReceiver(_BatchReceiver):
-    def __init__(self, q: queue.SimpleQueue) -> None:
-        self._q = q
-        self._eof = False
-
     def recv(self, timeout: float | None, watch: Any = None) -> list[Message]:
         if self._eof:
             raise EOFError("sender closed")
@@ -152,10 +149,6 @@ class QueueSender:
 
 
 class QueueReceiver(_BatchReceiver):
-    def __init__(self, q: Any) -> None:
-        self._q = q
-        self._eof = False
-
     def recv(self, timeout: float | None, watch: Any = None) -> list[Message]:
         if self._eof:
             raise EOFError("sender closed")
