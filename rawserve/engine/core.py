@@ -11,6 +11,8 @@ from array import array
 import torch
 
 from rawserve.config import EngineConfig
+from rawserve.engine.guided.matcher import GuidedRegistry
+from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.model_runner import ModelRunner, StepInput
 from rawserve.engine.request import Request
@@ -40,6 +42,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
+        self._guided: GuidedRegistry | None = None
         self.steps = 0
         self._arrivals = itertools.count()
         # Everything alive now (torch, the model, the server if it shares the process) lives as long as the
@@ -47,6 +50,16 @@ class EngineCore:
         # pass cost ~150 ms, one step in a few dozen.
         gc.collect()
         gc.freeze()
+
+    def guided_registry(self) -> GuidedRegistry:
+        """Grammars and the vocabulary index they walk, loaded on the first guided request (from the
+        disk cache after the first run with this tokenizer)."""
+        if self._guided is None:
+            model_dir = self.config.model_dir
+            if model_dir is None:
+                raise ValueError("guided: this engine has no tokenizer to build token masks from")
+            self._guided = GuidedRegistry(load_vocab_index(model_dir, self.vocab_size), self.runner.device)
+        return self._guided
 
     @property
     def num_blocks(self) -> int:
@@ -96,6 +109,8 @@ class EngineCore:
                              f"of {self.block_size} tokens; the pool holds only {self.blocks.num_blocks}")
         req = Request(rid, list(prompt_ids), params, priority=priority, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt)
+        if params.guided is not None:
+            req.guided = self.guided_registry().state_for(params.guided)
         if self.blocks.enable_prefix_caching and req.is_cacheable:
             req.update_block_hashes(self.block_size)
         self.requests[rid] = req
@@ -172,6 +187,9 @@ class EngineCore:
             return []
         if row != len(sample_rows):  # some rows were prompt-logprob rows: pick the sampling ones
             logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=logits.device))
+        for i, req in enumerate(sample_reqs):  # grammar masks: constrained rows only
+            if req.guided is not None:
+                req.guided.mask().apply(logits[i], req.guided_end_ids)
         sampled = self.sampler.sample(logits, sample_reqs, may_overwrite=True)
         return self._update(sample_reqs, sampled.token_ids, sampled.logprobs, caching)
 
@@ -195,6 +213,11 @@ class EngineCore:
                     reason = "stop"
                 elif token in req.stop_ids:
                     reason, stop_reason = "stop", token
+            guided = req.guided
+            if guided is not None and reason is None:
+                guided.advance(token)
+                if guided.is_complete:  # the output is a whole match and nothing may follow
+                    reason = "stop"
             if reason is None and (num_before + 1 >= params.max_tokens or len(req.token_ids) >= max_model_len):
                 reason = "length"
             entry = logprobs[i] if logprobs is not None else None

@@ -29,7 +29,7 @@ class Request:
         "block_hashes", "hash_extra", "is_cacheable", "num_published_blocks", "status", "finish_reason",
         "stop_reason", "eos_ids", "stop_ids", "min_tokens_ban", "prompt_logprobs", "prompt_logprobs_done",
         "generator", "penalty_slot", "needs_penalties", "is_plain_greedy", "bias_ids", "bias_values",
-        "sampling_row",
+        "sampling_row", "guided", "guided_end_ids",
     )
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -74,6 +74,9 @@ class Request:
         self.bias_values = [float(v) for v in bias.values()]
         self.is_plain_greedy = (params.temperature == 0 and not self.needs_penalties and not bias
                                 and not params.min_tokens)
+        self.guided = None  # GuidedState, set by EngineCore when params.guided is given
+        # What a grammar lets end the output once it accepts: EOS and the explicit stop ids.
+        self.guided_end_ids = sorted(self.eos_ids | self.stop_ids)
         # One row of the sampler's per-step parameter table; greedy rows divide by 1, not 0.
         self.sampling_row = (params.temperature if params.temperature > 0 else 1.0, float(params.top_k),
                              params.top_p, params.min_p)

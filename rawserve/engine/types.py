@@ -8,6 +8,8 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
+from rawserve.engine.guided.automaton import CompiledGrammar
+
 MAX_LOGPROBS = 20
 
 # One token's logprobs: (token_id, logprob, rank, ((top_id, top_logprob), ...)).
@@ -37,8 +39,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    guided_regex: str | None = None
-    guided_json: dict | str | None = None
+    # A grammar the output must match (built by the front end; plain lists, so it pickles).
+    guided: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +85,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.guided is not None and not isinstance(self.guided, CompiledGrammar):
+            bad("guided", f"must be a CompiledGrammar, got {type(self.guided).__name__}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -1,0 +1,215 @@
+"""Token masks: one grammar's automaton walked over the vocabulary trie, cached per configuration, and
+applied to logits rows; plus each request's place in its grammar.
+
+Core side. Only rows of constrained requests are touched; a mask is computed once per configuration
+(a few ms for a wide one) and reused by every request of the same grammar.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from rawserve.engine.guided.automaton import DEAD, Automaton, CompiledGrammar
+from rawserve.engine.guided.vocab import VocabIndex
+
+_NEG_INF = float("-inf")
+MAX_CONFIGS = 200_000  # per grammar: past this an adversarial grammar stops growing (its rows end)
+
+
+class TokenMask:
+    """The tokens a configuration allows, kept as the shorter of the allowed or the banned id list.
+
+    Special tokens the grammar names are in it; EOS is not (it depends on the request's EOS ids and
+    is added when the configuration accepts).
+    """
+
+    __slots__ = ("is_allow_list", "ids", "num_allowed", "accepting")
+
+    def __init__(self, is_allow_list: bool, ids: torch.Tensor, num_allowed: int, accepting: bool) -> None:
+        self.is_allow_list = is_allow_list
+        self.ids = ids  # int64 on the logits' device
+        self.num_allowed = num_allowed
+        self.accepting = accepting
+
+    def apply(self, row: torch.Tensor, eos_ids: list[int]) -> None:
+        """Set every disallowed logit of `row` ([V]) to -inf, in place. EOS stays only if accepting;
+        a configuration that allows nothing at all allows EOS, so the request can end."""
+        keep_eos = eos_ids if (self.accepting or self.num_allowed == 0) else ()
+        if self.is_allow_list:
+            ids = self.ids
+            if keep_eos:
+                ids = torch.cat((ids, torch.tensor(keep_eos, dtype=torch.int64, device=ids.device)))
+            values = row.index_select(0, ids)
+            row.fill_(_NEG_INF)
+            row.index_copy_(0, ids, values)
+            return
+        if keep_eos:
+            eos = torch.tensor(keep_eos, dtype=torch.int64, device=row.device)
+            saved = row.index_select(0, eos)
+            row.index_fill_(0, self.ids, _NEG_INF)
+            row.index_copy_(0, eos, saved)
+        else:
+            row.index_fill_(0, self.ids, _NEG_INF)
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """[V] bool (tests and the brute-force check)."""
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.ids.cpu()] = True
+        return mask if self.is_allow_list else ~mask
+
+
+class GrammarRuntime:
+    """One compiled grammar on one vocabulary: its automaton, a dense (configuration, byte) table the
+    trie walk reads, and the masks built so far. Shared by every request of that grammar."""
+
+    def __init__(self, compiled: CompiledGrammar, vocab: VocabIndex, device: torch.device | str = "cpu") -> None:
+        self.key = compiled.key
+        self.automaton = Automaton(compiled)
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self._table = torch.full((64 * 256,), -1, dtype=torch.int64)  # next config per cid * 256 + byte
+        self._table[:256] = DEAD
+        self._masks: dict[int, TokenMask] = {}
+        self._token_next: dict[tuple[int, int], int] = {}
+        self.num_masks_built = 0
+        self.mask_build_s = 0.0
+
+    @property
+    def start(self) -> int:
+        return self.automaton.start
+
+    def advance(self, cid: int, token_id: int) -> int:
+        """The configuration after `token_id` (DEAD if the grammar does not allow it)."""
+        key = (cid, token_id)
+        nxt = self._token_next.get(key)
+        if nxt is None:
+            a = self.automaton
+            if a.num_configs > MAX_CONFIGS:
+                nxt = DEAD
+            elif token_id in a.allowed_tokens(cid):
+                nxt = a.allowed_tokens(cid)[token_id]
+            else:
+                data = self.vocab.token_bytes[token_id] if 0 <= token_id < len(self.vocab.token_bytes) else b""
+                nxt = a.step_bytes(cid, data) if data and token_id not in self.vocab.special_set else DEAD
+            self._token_next[key] = nxt
+        return nxt
+
+    def mask(self, cid: int) -> TokenMask:
+        mask = self._masks.get(cid)
+        if mask is None:
+            mask = self._build_mask(cid)
+            self._masks[cid] = mask
+        return mask
+
+    def _lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Next configurations for cid * 256 + byte keys, computing the unknown ones in Python."""
+        nxt = self._table[keys]
+        unknown = nxt < 0
+        if bool(unknown.any()):
+            a = self.automaton
+            todo = torch.unique(torch.div(keys[unknown], 256, rounding_mode="floor")).tolist()
+            rows = [a.expand(cid) if a.num_configs <= MAX_CONFIGS else [DEAD] * 256 for cid in todo]
+            needed = a.num_configs * 256
+            if needed > self._table.numel():
+                grown = torch.full((max(needed, 2 * self._table.numel()),), -1, dtype=torch.int64)
+                grown[:self._table.numel()] = self._table
+                self._table = grown
+            self._table.view(-1, 256)[torch.tensor(todo, dtype=torch.int64)] = torch.tensor(rows, dtype=torch.int64)
+            nxt = self._table[keys]
+        return nxt
+
+    def _build_mask(self, cid: int) -> TokenMask:
+        """Walk the trie level by level from `cid`, keeping only nodes whose prefix the grammar can
+        still continue; a token is allowed when its end node is alive."""
+        began = time.perf_counter()
+        v = self.vocab
+        a = self.automaton
+        found = []
+        idx = torch.zeros(1, dtype=torch.int64)  # the root
+        states = torch.tensor([cid], dtype=torch.int64)
+        if cid != DEAD:
+            for d in range(len(v.node_byte) - 1):
+                counts = v.child_count[d].index_select(0, idx)
+                total = int(counts.sum())
+                if total == 0:
+                    break
+                starts = v.child_start[d].index_select(0, idx)
+                # child j of the k-th alive node: starts[k] + j, laid out run after run
+                run_begin = torch.cumsum(counts, 0) - counts
+                children = torch.repeat_interleave(starts - run_begin, counts) + torch.arange(total)
+                parent_states = torch.repeat_interleave(states, counts)
+                keys = parent_states * 256 + v.node_byte[d + 1].index_select(0, children)
+                nxt = self._lookup(keys)
+                alive = nxt != DEAD
+                idx = children[alive]
+                states = nxt[alive]
+                tokens = v.node_token[d + 1].index_select(0, idx)
+                found.append(tokens[tokens >= 0])
+                if idx.numel() == 0:
+                    break
+        allowed = torch.zeros(v.vocab_size, dtype=torch.bool)
+        if found:
+            allowed[torch.cat(found)] = True
+        if v.dup_ids.numel():
+            allowed[v.dup_ids] = allowed[v.dup_canon]
+        specials = [t for t in a.allowed_tokens(cid) if 0 <= t < v.vocab_size] if cid != DEAD else []
+        if specials:
+            allowed[torch.tensor(specials, dtype=torch.int64)] = True
+        num_allowed = int(allowed.sum())
+        is_allow_list = num_allowed <= v.vocab_size // 2
+        ids = (allowed if is_allow_list else ~allowed).nonzero().squeeze(1)
+        self.num_masks_built += 1
+        self.mask_build_s += time.perf_counter() - began
+        return TokenMask(is_allow_list, ids.to(self.device), num_allowed, a.is_accepting[cid])
+
+
+class GuidedState:
+    """One request's place in its grammar: a configuration id, advanced by each sampled token.
+
+    Preemption recomputes the same tokens, so the state needs no rollback there.
+    """
+
+    __slots__ = ("runtime", "config")
+
+    def __init__(self, runtime: GrammarRuntime) -> None:
+        self.runtime = runtime
+        self.config = runtime.start
+
+    def advance(self, token_id: int) -> None:
+        self.config = self.runtime.advance(self.config, token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """The output is a whole match and nothing may follow: the request should stop now."""
+        return self.runtime.automaton.is_complete[self.config]
+
+    @property
+    def is_dead(self) -> bool:
+        return self.config == DEAD
+
+    def mask(self) -> TokenMask:
+        return self.runtime.mask(self.config)
+
+
+class GuidedRegistry:
+    """The core's grammars, shared across requests by key, least recently used dropped past `capacity`
+    (requests still holding a dropped runtime keep it until they finish)."""
+
+    def __init__(self, vocab: VocabIndex, device: torch.device | str = "cpu", capacity: int = 64) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.capacity = capacity
+        self._runtimes: OrderedDict[str, GrammarRuntime] = OrderedDict()
+
+    def state_for(self, compiled: CompiledGrammar) -> GuidedState:
+        runtime = self._runtimes.get(compiled.key)
+        if runtime is None:
+            runtime = GrammarRuntime(compiled, self.vocab, self.device)
+            self._runtimes[compiled.key] = runtime
+            while len(self._runtimes) > self.capacity:
+                self._runtimes.popitem(last=False)
+        else:
+            self._runtimes.move_to_end(compiled.key)
+        return GuidedState(runtime)

@@ -1,0 +1,147 @@
+"""The vocabulary as a byte trie in level arrays, so one automaton state is walked over every token at once.
+
+Built once per tokenizer (about a second for 150k tokens) and cached on disk by the tokenizer's hash.
+Special and added tokens are left out of the trie: a grammar allows them only by naming their id.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import time
+
+import torch
+
+log = logging.getLogger("rawserve.engine")
+
+_FORMAT = 1  # bump when the cached layout changes
+
+
+class VocabIndex:
+    """Level d of the trie holds the nodes of depth d (prefix length d); level 0 is the root alone.
+
+    Nodes of a level are in byte order, so the children of a node are one contiguous run of the next
+    level: child_start[d][i] .. child_start[d][i] + child_count[d][i]. node_token[d][i] is the token
+    whose bytes end at that node (-1 if none); tokens with the same bytes as another are `dup_ids`,
+    allowed exactly when their `dup_canon` is.
+    """
+
+    def __init__(self, token_bytes: list[bytes], special_ids: set[int], vocab_size: int) -> None:
+        self.vocab_size = vocab_size  # the logits width; ids past len(token_bytes) are padding
+        self.token_bytes = list(token_bytes) + [b""] * max(0, vocab_size - len(token_bytes))
+        self.special_ids = sorted(i for i in special_ids if i < vocab_size)
+        self.special_set = frozenset(self.special_ids)
+        self._build()
+
+    def _build(self) -> None:
+        skip = set(self.special_ids)
+        items = sorted((b, i) for i, b in enumerate(self.token_bytes) if b and i not in skip)
+        parents: list[list[int]] = [[-1]]
+        bytes_: list[list[int]] = [[0]]
+        tokens: list[list[int]] = [[-1]]
+        path = [0]  # node index at each depth along the previous token
+        prev = b""
+        dups, canon = [], []
+        for data, token_id in items:
+            if data == prev:
+                dups.append(token_id)
+                canon.append(tokens[len(data)][path[len(data)]])
+                continue
+            common = 0
+            limit = min(len(data), len(prev))
+            while common < limit and data[common] == prev[common]:
+                common += 1
+            del path[common + 1:]
+            for depth in range(common + 1, len(data) + 1):
+                if depth == len(parents):
+                    parents.append([])
+                    bytes_.append([])
+                    tokens.append([])
+                parents[depth].append(path[depth - 1])
+                bytes_[depth].append(data[depth - 1])
+                tokens[depth].append(-1)
+                path.append(len(parents[depth]) - 1)
+            tokens[len(data)][path[len(data)]] = token_id
+            prev = data
+        self.node_byte = [torch.tensor(b, dtype=torch.int64) for b in bytes_]
+        self.node_token = [torch.tensor(t, dtype=torch.int64) for t in tokens]
+        self.child_start, self.child_count = [], []
+        for d in range(len(parents)):
+            n = len(parents[d])
+            if d + 1 < len(parents):
+                nxt = torch.tensor(parents[d + 1], dtype=torch.int64)
+                start = torch.searchsorted(nxt, torch.arange(n + 1))
+            else:
+                start = torch.zeros(n + 1, dtype=torch.int64)
+            self.child_start.append(start[:-1].contiguous())
+            self.child_count.append((start[1:] - start[:-1]).contiguous())
+        self.dup_ids = torch.tensor(dups, dtype=torch.int64)
+        self.dup_canon = torch.tensor(canon, dtype=torch.int64)
+        self.num_nodes = sum(len(p) for p in parents)
+
+    # ----- disk cache
+
+    def state_dict(self) -> dict:
+        lengths = torch.tensor([len(b) for b in self.token_bytes], dtype=torch.int64)
+        blob = torch.tensor(list(b"".join(self.token_bytes)), dtype=torch.uint8)
+        return {"format": _FORMAT, "vocab_size": self.vocab_size, "token_lengths": lengths, "token_blob": blob,
+                "special_ids": self.special_ids, "node_byte": self.node_byte, "node_token": self.node_token,
+                "child_start": self.child_start, "child_count": self.child_count, "dup_ids": self.dup_ids,
+                "dup_canon": self.dup_canon, "num_nodes": self.num_nodes}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> VocabIndex:
+        self = cls.__new__(cls)
+        raw = bytes(state["token_blob"].tolist())
+        ends = state["token_lengths"].cumsum(0).tolist()
+        self.token_bytes = [raw[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        for name in ("vocab_size", "special_ids", "node_byte", "node_token", "child_start",
+                     "child_count", "dup_ids", "dup_canon", "num_nodes"):
+            setattr(self, name, state[name])
+        self.special_set = frozenset(self.special_ids)
+        return self
+
+
+def _cache_path(model_dir: pathlib.Path, key: str) -> list[pathlib.Path]:
+    """Next to the model if that folder is writable, else the user's cache folder."""
+    name = f".rawserve-vocab-{key}.pt"
+    home = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "rawserve"
+    return [model_dir / name, home / name]
+
+
+def load_vocab_index(model_dir: str | os.PathLike, vocab_size: int) -> VocabIndex:
+    """The model's VocabIndex, from the disk cache when the tokenizer is unchanged."""
+    from rawserve.text.tokenizer import Tokenizer  # the core loads text only for this
+
+    model_dir = pathlib.Path(model_dir)
+    digest = hashlib.sha256(f"{_FORMAT}:{vocab_size}:".encode())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.exists():
+            digest.update(path.read_bytes())
+    key = digest.hexdigest()[:16]
+    candidates = _cache_path(model_dir, key)
+    for path in candidates:
+        if path.exists():
+            try:
+                state = torch.load(path, weights_only=True)
+                if state.get("format") == _FORMAT:
+                    return VocabIndex.from_state_dict(state)
+            except (OSError, RuntimeError, ValueError, EOFError) as error:  # a torn or foreign file: rebuild
+                log.warning("ignoring vocabulary cache %s: %s", path, error)
+    began = time.perf_counter()
+    tok = Tokenizer.from_dir(model_dir)
+    index = VocabIndex(tok.vocab_bytes(), set(tok.added_token_ids), vocab_size)
+    log.info("guided decoding: vocabulary index of %d tokens, %d trie nodes in %.2f s", len(tok.vocab_bytes()),
+             index.num_nodes, time.perf_counter() - began)
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(index.state_dict(), tmp)
+            os.replace(tmp, path)
+            break
+        except OSError:
+            continue
+    return index
