@@ -30,3 +30,21 @@ def tiny_qwen3_dir(tmp_path_factory) -> pathlib.Path:
     from tests.checkpoints import make_hf_checkpoint
 
     return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_real_tokenizer_dir(tmp_path_factory) -> pathlib.Path:
+    """A tiny random Qwen3 (hidden 32) with the real Qwen3 tokenizer, template and 151,936-row vocabulary."""
+    import json
+    import shutil
+
+    from tests.checkpoints import make_hf_checkpoint
+
+    source = fixture_path("qwen3-tokenizer")
+    directory = make_hf_checkpoint(tmp_path_factory.mktemp("qwen3-real-tok"), "qwen3", tied=True,
+                                   vocab_size=151936, hidden_size=32, intermediate_size=64, head_dim=16,
+                                   bos_token_id=None, eos_token_id=151645, max_position_embeddings=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(source / name, directory / name)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    return directory

@@ -15,6 +15,8 @@ from rawserve.engine.guided.automaton import DEAD, Automaton, CompiledGrammar
 from rawserve.engine.guided.vocab import VocabIndex
 
 _NEG_INF = float("-inf")
+# A configuration that more first bytes than this can continue is walked densely (every trie node at once).
+DENSE_WALK_FIRST_BYTES = 24
 MAX_CONFIGS = 200_000  # per grammar: past this an adversarial grammar stops growing (its rows end)
 
 
@@ -120,12 +122,26 @@ class GrammarRuntime:
             nxt = self._table[keys]
         return nxt
 
-    def _build_mask(self, cid: int) -> TokenMask:
-        """Walk the trie level by level from `cid`, keeping only nodes whose prefix the grammar can
-        still continue; a token is allowed when its end node is alive."""
-        began = time.perf_counter()
+    def _walk_dense(self, cid: int) -> torch.Tensor:
+        """Every trie node's configuration, level by level (a dead parent maps to DEAD through the
+        table's row 0): a handful of tensor ops per level whatever the width. -> allowed token ids."""
         v = self.vocab
-        a = self.automaton
+        offsets = v.level_offsets
+        states = torch.zeros(v.num_nodes, dtype=torch.int64)
+        states[0] = cid
+        for d in range(1, len(offsets) - 1):
+            lo, hi = offsets[d], offsets[d + 1]
+            parent_states = states.index_select(0, v.flat_parent[lo:hi])
+            nxt = self._lookup(parent_states * 256 + v.flat_byte[lo:hi])
+            states[lo:hi] = nxt
+            if d >= 4 and not bool(nxt.any()):  # nothing deeper can be alive
+                break
+        return v.flat_token[(states != DEAD) & (v.flat_token >= 0)]
+
+    def _walk_sparse(self, cid: int) -> list[torch.Tensor]:
+        """Only the children of alive nodes, level by level: cheap when few prefixes survive (literal
+        keys, digits, enums), where the dense walk would touch every node."""
+        v = self.vocab
         found = []
         idx = torch.zeros(1, dtype=torch.int64)  # the root
         states = torch.tensor([cid], dtype=torch.int64)
@@ -149,6 +165,24 @@ class GrammarRuntime:
                 found.append(tokens[tokens >= 0])
                 if idx.numel() == 0:
                     break
+        return found
+
+    def _build_mask(self, cid: int) -> TokenMask:
+        """The tokens whose whole bytes the grammar can take from `cid`: a token is allowed when its
+        end node in the trie is alive. Wide configurations walk densely, narrow ones sparsely."""
+        began = time.perf_counter()
+        v = self.vocab
+        a = self.automaton
+        first = a.expand(cid) if cid != DEAD else [DEAD] * 256
+        num_live_first = sum(1 for c in first if c != DEAD)
+        # One thread: the walk is hundreds of small gathers, and on a busy machine every intra-op
+        # barrier waits for the slowest thread (a 40 ms walk took 1 s with two threads under load).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            found = [self._walk_dense(cid)] if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse(cid)
+        finally:
+            torch.set_num_threads(threads)
         allowed = torch.zeros(v.vocab_size, dtype=torch.bool)
         if found:
             allowed[torch.cat(found)] = True

@@ -79,6 +79,22 @@ class VocabIndex:
         self.dup_ids = torch.tensor(dups, dtype=torch.int64)
         self.dup_canon = torch.tensor(canon, dtype=torch.int64)
         self.num_nodes = sum(len(p) for p in parents)
+        self._flatten()
+
+    def _flatten(self) -> None:
+        """All levels in one array each (node i of level d at level_offsets[d] + i), for the dense walk:
+        flat_parent is the parent's index in the same numbering (the root's is 0)."""
+        offsets = [0]
+        for level in self.node_byte:
+            offsets.append(offsets[-1] + level.numel())
+        parents = [torch.zeros(1, dtype=torch.int64)]
+        for d in range(len(self.node_byte) - 1):
+            local = torch.repeat_interleave(torch.arange(self.node_byte[d].numel()), self.child_count[d])
+            parents.append(local + offsets[d])
+        self.level_offsets = offsets
+        self.flat_parent = torch.cat(parents)
+        self.flat_byte = torch.cat(self.node_byte)
+        self.flat_token = torch.cat(self.node_token)
 
     # ----- disk cache
 
@@ -100,6 +116,7 @@ class VocabIndex:
                      "child_count", "dup_ids", "dup_canon", "num_nodes"):
             setattr(self, name, state[name])
         self.special_set = frozenset(self.special_ids)
+        self._flatten()
         return self
 
 

@@ -1,0 +1,184 @@
+"""Token masks against a brute-force reference, state by state, and the automaton against the slow matcher."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from rawserve.engine.guided.automaton import DEAD, Automaton, compile_grammar
+from rawserve.engine.guided.grammar import (ANY_CHAR, EMPTY, TOKEN_BASE, Grammar, GrammarError, Ref, Repeat, Token,
+                                            accepts, alt, byte_set, codepoint_ranges, lit, seq)
+from rawserve.engine.guided.matcher import GrammarRuntime, GuidedRegistry, GuidedState
+from rawserve.engine.guided.vocab import VocabIndex
+
+DIGIT = byte_set([(48, 57)])
+STRING_CHAR = alt(codepoint_ranges([(0x20, 0x21), (0x23, 0x5B), (0x5D, 0x10FFFF)]),
+                  seq(lit("\\"), byte_set([(ord(c), ord(c)) for c in '"\\/bfnrt'])))
+JSON_STRING = seq(lit('"'), Repeat(STRING_CHAR, 0, None), lit('"'))
+
+
+def small_vocab(seed: int = 0) -> tuple[list[bytes], set[int]]:
+    """Every single byte, pieces of JSON, multi-byte characters split at every point, random words,
+    a duplicate, and three special tokens."""
+    rng = random.Random(seed)
+    tokens = [bytes([b]) for b in range(256)]
+    tokens += [t.encode() for t in ('{"', '":', '", "', '"}', "}}", '"]}', '"},{"', "true", "null", "12", "-0",
+                                    " {", "ab", "abc", "(", "()", "((", "))", "é", "中文", "😀", "\\\"", "\\n")]
+    for char in ("é", "中", "😀"):
+        raw = char.encode()
+        tokens += [raw[:i] for i in range(2, len(raw))] + [raw[i:] for i in range(1, len(raw))]
+    letters = b'abc{}[]",:0123456789 \\'
+    tokens += [bytes(rng.choice(letters) for _ in range(rng.randint(2, 6))) for _ in range(300)]
+    tokens.append(b"ab")  # same bytes as an earlier token
+    specials = {len(tokens), len(tokens) + 1, len(tokens) + 2}
+    tokens += [b"<s>", b"</s>", b"<tool_call>"]
+    return tokens, specials
+
+
+def brute_mask(automaton: Automaton, vocab: VocabIndex, cid: int) -> torch.Tensor:
+    ref = torch.zeros(vocab.vocab_size, dtype=torch.bool)
+    for t, data in enumerate(vocab.token_bytes):
+        if data and t not in vocab.special_set and automaton.step_bytes(cid, data) != DEAD:
+            ref[t] = True
+    for t in automaton.allowed_tokens(cid):
+        ref[t] = True
+    return ref
+
+
+GRAMMARS = {
+    "object": Grammar({"root": seq(lit('{"a": '), JSON_STRING, lit(', "b": '), alt(lit("true"), lit("null")),
+                                   lit("}"))}),
+    "digits": Grammar({"root": seq(DIGIT, Repeat(DIGIT, 2, 2), lit("-"), Repeat(DIGIT, 4, 4))}),
+    "parens": Grammar({"root": alt(seq(lit("("), Ref("root"), lit(")")), EMPTY)}),
+    "nested": Grammar({"value": alt(JSON_STRING, Ref("obj"), Ref("arr"), lit("12")),
+                       "obj": seq(lit("{"), Repeat(seq(JSON_STRING, lit(":"), Ref("value")), 0, 1), lit("}")),
+                       "arr": seq(lit("["), Repeat(seq(Ref("value"), Repeat(seq(lit(","), Ref("value")), 0, None)),
+                                                   0, 1), lit("]")),
+                       "root": Ref("obj")}),
+    "unicode": Grammar({"root": Repeat(codepoint_ranges([(0xE9, 0xE9), (0x4E00, 0x9FFF), (0x1F600, 0x1F64F)]), 0,
+                                       3)}),
+    "tool": Grammar({"root": seq(Token(-1), lit("\n{}\n"))}),  # token id patched below
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_masks_equal_brute_force_in_every_reachable_state(name):
+    tokens, specials = small_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens) + 5)  # 5 padding ids, never allowed
+    grammar = GRAMMARS[name]
+    if name == "tool":
+        grammar = Grammar({"root": seq(Token(max(specials)), lit("\n{}\n"))})
+    runtime = GrammarRuntime(compile_grammar(grammar, name), vocab)
+    a = runtime.automaton
+    seen = {a.start}
+    frontier = [a.start]
+    checked = 0
+    while frontier and checked < 150:
+        cid = frontier.pop(0)
+        mask = runtime.mask(cid).allowed(vocab.vocab_size)
+        assert torch.equal(mask, brute_mask(a, vocab, cid)), f"config {cid}"
+        assert not mask[-5:].any()
+        checked += 1
+        for t in mask.nonzero().squeeze(1).tolist():
+            nxt = runtime.advance(cid, t)
+            assert nxt != DEAD
+            if nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    assert checked > 3
+
+
+def test_special_tokens_are_allowed_only_where_the_grammar_names_them():
+    tokens, specials = small_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens))
+    tool = max(specials)
+    runtime = GrammarRuntime(compile_grammar(Grammar({"root": seq(Token(tool), lit("x"))}), "t"), vocab)
+    first = runtime.mask(runtime.start).allowed(vocab.vocab_size)
+    assert first.nonzero().squeeze(1).tolist() == [tool]
+    # the same text spelled in bytes is not the token
+    assert runtime.advance(runtime.start, tokens.index(b"<")) == DEAD
+    free = GrammarRuntime(compile_grammar(Grammar({"root": Repeat(ANY_CHAR, 0, None)}), "any"), vocab)
+    allowed = free.mask(free.start).allowed(vocab.vocab_size)
+    assert not allowed[sorted(specials)].any()
+    assert allowed[tokens.index(b"<")]
+
+
+def test_eos_is_kept_only_where_the_grammar_may_end():
+    tokens, specials = small_vocab()
+    eos = min(specials)
+    vocab = VocabIndex(tokens, specials, len(tokens))
+    runtime = GrammarRuntime(compile_grammar(Grammar({"root": Repeat(lit("ab"), 1, 2)}), "ab"), vocab)
+    logits = torch.zeros(vocab.vocab_size)
+    runtime.mask(runtime.start).apply(logits, [eos])
+    assert logits[eos] == float("-inf")
+    after = runtime.advance(runtime.start, tokens.index(b"ab"))
+    logits = torch.zeros(vocab.vocab_size)
+    runtime.mask(after).apply(logits, [eos])
+    assert logits[eos] == 0 and logits[tokens.index(b"ab")] == 0 and logits[tokens.index(b"b")] == float("-inf")
+    done = runtime.advance(after, tokens.index(b"ab"))
+    assert runtime.automaton.is_complete[done]
+
+
+def test_wide_mask_bans_and_narrow_mask_allows_give_the_same_logits():
+    tokens, specials = small_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens))
+    for grammar in (Grammar({"root": Repeat(ANY_CHAR, 0, None)}), Grammar({"root": lit("abc")})):
+        runtime = GrammarRuntime(compile_grammar(grammar, "g"), vocab)
+        mask = runtime.mask(runtime.start)
+        logits = torch.randn(vocab.vocab_size)
+        expected = torch.where(mask.allowed(vocab.vocab_size), logits, torch.tensor(float("-inf")))
+        mask.apply(logits, [])
+        assert torch.equal(logits, expected)
+    assert GrammarRuntime(compile_grammar(Grammar({"root": Repeat(ANY_CHAR, 0, None)}), "w"),
+                          vocab).mask(0).is_allow_list  # the dead configuration allows nothing
+
+
+def test_automaton_agrees_with_the_reference_matcher_on_a_recursive_grammar():
+    rules = {"root": Ref("expr"),
+             "expr": seq(Ref("term"), Repeat(seq(byte_set([(43, 43), (45, 45)]), Ref("term")), 0, None)),
+             "term": alt(Repeat(DIGIT, 1, None), seq(lit("("), Ref("expr"), lit(")")))}
+    grammar = Grammar(rules)
+    a = Automaton(compile_grammar(grammar, "expr"))
+    for n in range(1, 7):
+        for chars in itertools.product("1+()", repeat=n):
+            text = "".join(chars)
+            assert a.matches(text.encode()) == accepts(grammar, text), text
+
+
+def test_right_recursion_does_not_grow_the_stack():
+    a = Automaton(compile_grammar(Grammar({"root": alt(seq(lit("a"), Ref("root")), lit("b"))}), "r"))
+    assert a.matches(b"a" * 5000 + b"b")
+    assert len(a.stacks) == 1
+
+
+def test_nesting_past_the_stack_limit_is_refused_not_crashed():
+    a = Automaton(compile_grammar(GRAMMARS["parens"], "p"))
+    assert a.matches(b"(" * 100 + b")" * 100)
+    assert not a.matches(b"(" * 200 + b")" * 200)
+
+
+def test_special_tokens_in_symbol_input():
+    a = Automaton(compile_grammar(Grammar({"root": seq(Token(7), Repeat(DIGIT, 1, None), Token(8))}), "s"))
+    assert a.matches((TOKEN_BASE + 7, 49, 50, TOKEN_BASE + 8))
+    assert not a.matches((TOKEN_BASE + 7, TOKEN_BASE + 8))
+
+
+def test_oversized_grammar_is_refused():
+    with pytest.raises(GrammarError, match="too large"):
+        compile_grammar(Grammar({"root": Repeat(ANY_CHAR, 0, 100_000)}), "big")
+
+
+def test_registry_shares_one_runtime_per_grammar_and_drops_the_oldest():
+    tokens, specials = small_vocab()
+    registry = GuidedRegistry(VocabIndex(tokens, specials, len(tokens)), capacity=2)
+    compiled = [compile_grammar(Grammar({"root": lit(t)}), t) for t in ("a", "b", "c")]
+    first = registry.state_for(compiled[0])
+    assert registry.state_for(compiled[0]).runtime is first.runtime
+    registry.state_for(compiled[1])
+    registry.state_for(compiled[2])
+    assert registry.state_for(compiled[0]).runtime is not first.runtime
+    state = GuidedState(first.runtime)
+    state.advance(tokens.index(b"a"))
+    assert state.is_complete and not state.is_dead
