@@ -200,12 +200,18 @@ class Automaton:
     the empty stack. A configuration is the set of threads after epsilon moves, calls and returns,
     keeping only threads that can consume a symbol, plus the accept marker; it is interned as an int.
     Calls in tail position push nothing, so right recursion does not grow the stack.
+
+    `truncate` cuts stacks to their top frames over a MARK frame, whose state takes any byte: walking a
+    token from the truncated configuration tells apart tokens decided by the top frames alone (the same
+    for every deeper context, so one mask serves them all) from the few that pop below them.
     """
 
     def __init__(self, g: CompiledGrammar) -> None:
         self.g = g
         n = g.num_states
-        self.consuming = [bool(g.byte_edges[s] or g.token_edges[s]) for s in range(n)]
+        self.mark = n  # a state past the NFA's: any byte, forever
+        self.byte_edges = g.byte_edges + [[(0, 255, n)]]
+        self.consuming = [bool(g.byte_edges[s] or g.token_edges[s]) for s in range(n)] + [True]
         self.accept_state = g.rule_final[g.start_rule]
         self.is_tail = self._tail_states()
         self.stacks: list[tuple[int, int, int]] = [(-1, -1, 0)]
@@ -216,6 +222,10 @@ class Automaton:
         self.next_token: list[dict[int, int]] = [{}]  # special token id -> configuration
         self.is_accepting: list[bool] = [False]
         self.is_complete: list[bool] = [False]  # accepting, and nothing more can follow
+        # 0: dead; 1: a thread that never popped into a MARK frame is alive; 2: only MARK threads
+        self.kind: list[int] = [0]
+        self._truncated: dict[int, int] = {}
+        self._mark_stack = self._push(self.mark, 0)
         self.start = self._intern(self._closure([(g.rule_start[g.start_rule], 0)]))
 
     @property
@@ -243,7 +253,7 @@ class Automaton:
                         seen.add(u)
                         stack.append(u)
             tail[s] = ok and reaches_final
-        return tail
+        return tail + [False]
 
     def _push(self, ret: int, parent: int) -> int:
         key = (ret, parent)
@@ -257,6 +267,7 @@ class Automaton:
     def _closure(self, threads: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
         g = self.g
         eps, calls, is_final, consuming, is_tail = g.eps, g.call_edges, g.is_final, self.consuming, self.is_tail
+        mark = self.mark
         out = set()
         seen = set()
         work = list(threads)
@@ -266,6 +277,9 @@ class Automaton:
                 continue
             seen.add(thread)
             s, sid = thread
+            if s == mark:
+                out.add(thread)
+                continue
             if consuming[s]:
                 out.add(thread)
             for t in eps[s]:
@@ -295,7 +309,36 @@ class Automaton:
         accepting = (self.accept_state, 0) in threads
         self.is_accepting.append(accepting)
         self.is_complete.append(accepting and len(threads) == 1)
+        mark = self.mark
+        self.kind.append(0 if not threads else 1 if any(s != mark for s, _ in threads) else 2)
         return cid
+
+    def truncate(self, cid: int, depth: int) -> int:
+        """The configuration with every stack cut to its top `depth` frames over a MARK frame (cid
+        itself when no stack is deeper). Near the depth cap nothing is cut: there a push the cut
+        configuration allows may be one the real one refuses."""
+        cut = self._truncated.get(cid)
+        if cut is not None:
+            return cut
+        threads = self.configs[cid]
+        stacks = self.stacks
+        if all(stacks[sid][2] <= depth for _, sid in threads) or any(
+                stacks[sid][2] > MAX_STACK_DEPTH - 64 for _, sid in threads):
+            cut = cid
+        else:
+            new = set()
+            for s, sid in threads:
+                frames = []
+                while sid and len(frames) < depth:
+                    ret, sid, _ = stacks[sid]
+                    frames.append(ret)
+                base = self._mark_stack if sid else 0
+                for ret in reversed(frames):
+                    base = self._push(ret, base)
+                new.add((s, base))
+            cut = self._intern(frozenset(new))
+        self._truncated[cid] = cut
+        return cut
 
     def step_byte(self, cid: int, byte: int) -> int:
         nxt = self.next_byte[cid][byte]
@@ -307,7 +350,8 @@ class Automaton:
         row = self.next_byte[cid]
         if cid == DEAD or row[0] >= 0:
             return row
-        edges = [(lo, hi, t, sid) for s, sid in self.configs[cid] for lo, hi, t in self.g.byte_edges[s]]
+        byte_edges = self.byte_edges
+        edges = [(lo, hi, t, sid) for s, sid in self.configs[cid] for lo, hi, t in byte_edges[s]]
         cuts = sorted({0, 256, *(lo for lo, _, _, _ in edges), *(hi + 1 for _, hi, _, _ in edges)})
         row = [DEAD] * 256
         for begin, end in zip(cuts, cuts[1:]):
@@ -333,8 +377,11 @@ class Automaton:
         if cache or cid == DEAD:
             return cache
         moves: dict[int, list[tuple[int, int]]] = {}
+        token_edges = self.g.token_edges
         for s, sid in self.configs[cid]:
-            for token_id, t in self.g.token_edges[s]:
+            if s == self.mark:
+                continue
+            for token_id, t in token_edges[s]:
                 moves.setdefault(token_id, []).append((t, sid))
         for token_id, threads in moves.items():
             cache[token_id] = self._intern(self._closure(threads))

@@ -17,7 +17,10 @@ from rawserve.engine.guided.vocab import VocabIndex
 _NEG_INF = float("-inf")
 # A configuration that more first bytes than this can continue is walked densely (every trie node at once).
 DENSE_WALK_FIRST_BYTES = 24
-MAX_CONFIGS = 200_000  # per grammar: past this an adversarial grammar stops growing (its rows end)
+MAX_CONFIGS = 200_000
+# Stack frames a mask's base walk keeps: tokens that close more nested rules than this (e.g. `}}]}`)
+# are checked one by one against the whole stack.
+TRUNCATE_DEPTH = 3  # per grammar: past this an adversarial grammar stops growing (its rows end)
 
 
 class TokenMask:
@@ -73,7 +76,11 @@ class GrammarRuntime:
         self.device = torch.device(device)
         self._table = torch.full((64 * 256,), -1, dtype=torch.int64)  # next config per cid * 256 + byte
         self._table[:256] = DEAD
-        self._masks: dict[int, TokenMask] = {}
+        self._kind = torch.zeros(64, dtype=torch.int8)  # Automaton.kind per configuration, as the walk reads it
+        self._num_kinds = 0
+        self._masks: dict[int, TokenMask] = {}  # per configuration
+        self._walks: dict[int, tuple[torch.Tensor, list[int]]] = {}  # per truncated configuration
+        self._shared: dict[tuple, TokenMask] = {}  # equal masks are one object
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
         self.mask_build_s = 0.0
@@ -99,30 +106,73 @@ class GrammarRuntime:
         return nxt
 
     def mask(self, cid: int) -> TokenMask:
+        """The configuration's mask. Its stacks cut to their top frames give the base walk, shared by
+        every configuration that differs only deeper down; the few tokens that pop below the cut are
+        then checked one by one against the whole configuration."""
         mask = self._masks.get(cid)
+        if mask is not None:
+            return mask
+        # One thread: a mask is hundreds of small tensor ops, and on a busy machine every intra-op
+        # barrier waits for the slowest thread (a 40 ms walk took 1 s with two threads under load).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._build(cid)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _build(self, cid: int) -> TokenMask:
+        began = time.perf_counter()
+        a = self.automaton
+        base = a.truncate(cid, TRUNCATE_DEPTH) if cid != DEAD else DEAD
+        walked = self._walks.get(base)
+        if walked is None:
+            walked = self._walk(base)
+            self._walks[base] = walked
+        certain, uncertain = walked
+        extra = [t for t in uncertain if self.advance(cid, t) != DEAD]
+        specials = [t for t in a.allowed_tokens(cid) if 0 <= t < self.vocab.vocab_size] if cid != DEAD else []
+        key = (base, tuple(extra), tuple(specials), a.is_accepting[cid])
+        mask = self._shared.get(key)
         if mask is None:
-            mask = self._build_mask(cid)
-            self._masks[cid] = mask
+            mask = self._make_mask(certain, extra + specials, a.is_accepting[cid])
+            self._shared[key] = mask
+        self._masks[cid] = mask
+        self.num_masks_built += 1
+        self.mask_build_s += time.perf_counter() - began
         return mask
+
+    def _sync(self, todo: list[int]) -> None:
+        """Expand configurations `todo` into the table, growing it (and the kind array) as the automaton grew."""
+        a = self.automaton
+        rows = [a.expand(cid) if a.num_configs <= MAX_CONFIGS else [DEAD] * 256 for cid in todo]
+        needed = a.num_configs
+        if needed * 256 > self._table.numel():
+            grown = torch.full((max(needed * 256, 2 * self._table.numel()),), -1, dtype=torch.int64)
+            grown[:self._table.numel()] = self._table
+            self._table = grown
+        if needed > self._kind.numel():
+            kind = torch.zeros(max(needed, 2 * self._kind.numel()), dtype=torch.int8)
+            kind[:self._kind.numel()] = self._kind
+            self._kind = kind
+        if needed > self._num_kinds:
+            self._kind[self._num_kinds:needed] = torch.tensor(a.kind[self._num_kinds:needed], dtype=torch.int8)
+            self._num_kinds = needed
+        if todo:
+            self._table.view(-1, 256)[torch.tensor(todo, dtype=torch.int64)] = torch.tensor(rows, dtype=torch.int64)
 
     def _lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Next configurations for cid * 256 + byte keys, computing the unknown ones in Python."""
+        if self.automaton.num_configs * 256 > self._table.numel():  # configurations made elsewhere
+            self._sync([])
         nxt = self._table[keys]
         unknown = nxt < 0
         if bool(unknown.any()):
-            a = self.automaton
-            todo = torch.unique(torch.div(keys[unknown], 256, rounding_mode="floor")).tolist()
-            rows = [a.expand(cid) if a.num_configs <= MAX_CONFIGS else [DEAD] * 256 for cid in todo]
-            needed = a.num_configs * 256
-            if needed > self._table.numel():
-                grown = torch.full((max(needed, 2 * self._table.numel()),), -1, dtype=torch.int64)
-                grown[:self._table.numel()] = self._table
-                self._table = grown
-            self._table.view(-1, 256)[torch.tensor(todo, dtype=torch.int64)] = torch.tensor(rows, dtype=torch.int64)
+            self._sync(torch.unique(torch.div(keys[unknown], 256, rounding_mode="floor")).tolist())
             nxt = self._table[keys]
         return nxt
 
-    def _walk_dense(self, cid: int) -> torch.Tensor:
+    def _walk_dense(self, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every trie node's configuration, level by level (a dead parent maps to DEAD through the
         table's row 0): a handful of tensor ops per level whatever the width. -> allowed token ids."""
         v = self.vocab
@@ -136,13 +186,16 @@ class GrammarRuntime:
             states[lo:hi] = nxt
             if d >= 4 and not bool(nxt.any()):  # nothing deeper can be alive
                 break
-        return v.flat_token[(states != DEAD) & (v.flat_token >= 0)]
+        self._sync([])
+        kinds = self._kind[states]
+        tokens = v.flat_token
+        return tokens[(kinds == 1) & (tokens >= 0)], tokens[(kinds == 2) & (tokens >= 0)]
 
-    def _walk_sparse(self, cid: int) -> list[torch.Tensor]:
+    def _walk_sparse(self, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the children of alive nodes, level by level: cheap when few prefixes survive (literal
         keys, digits, enums), where the dense walk would touch every node."""
         v = self.vocab
-        found = []
+        ends, end_states = [], []
         idx = torch.zeros(1, dtype=torch.int64)  # the root
         states = torch.tensor([cid], dtype=torch.int64)
         if cid != DEAD:
@@ -162,41 +215,41 @@ class GrammarRuntime:
                 idx = children[alive]
                 states = nxt[alive]
                 tokens = v.node_token[d + 1].index_select(0, idx)
-                found.append(tokens[tokens >= 0])
+                has_token = tokens >= 0
+                ends.append(tokens[has_token])
+                end_states.append(states[has_token])
                 if idx.numel() == 0:
                     break
-        return found
+        if not ends:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return empty, empty
+        self._sync([])
+        tokens, kinds = torch.cat(ends), self._kind[torch.cat(end_states)]
+        return tokens[kinds == 1], tokens[kinds == 2]
 
-    def _build_mask(self, cid: int) -> TokenMask:
-        """The tokens whose whole bytes the grammar can take from `cid`: a token is allowed when its
-        end node in the trie is alive. Wide configurations walk densely, narrow ones sparsely."""
-        began = time.perf_counter()
-        v = self.vocab
-        a = self.automaton
-        first = a.expand(cid) if cid != DEAD else [DEAD] * 256
+    def _walk(self, cid: int) -> tuple[torch.Tensor, list[int]]:
+        """(tokens the configuration certainly allows, tokens that pop into a MARK frame: undecided).
+        Wide configurations walk densely, narrow ones sparsely."""
+        if cid == DEAD:
+            return torch.zeros(0, dtype=torch.int64), []
+        first = self.automaton.expand(cid)
         num_live_first = sum(1 for c in first if c != DEAD)
-        # One thread: the walk is hundreds of small gathers, and on a busy machine every intra-op
-        # barrier waits for the slowest thread (a 40 ms walk took 1 s with two threads under load).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            found = [self._walk_dense(cid)] if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse(cid)
-        finally:
-            torch.set_num_threads(threads)
+        walk = self._walk_dense if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse
+        certain, uncertain = walk(cid)
+        return certain, uncertain.tolist()
+
+    def _make_mask(self, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
+        v = self.vocab
         allowed = torch.zeros(v.vocab_size, dtype=torch.bool)
-        if found:
-            allowed[torch.cat(found)] = True
+        allowed[certain] = True
+        if more:
+            allowed[torch.tensor(more, dtype=torch.int64)] = True
         if v.dup_ids.numel():
             allowed[v.dup_ids] = allowed[v.dup_canon]
-        specials = [t for t in a.allowed_tokens(cid) if 0 <= t < v.vocab_size] if cid != DEAD else []
-        if specials:
-            allowed[torch.tensor(specials, dtype=torch.int64)] = True
         num_allowed = int(allowed.sum())
         is_allow_list = num_allowed <= v.vocab_size // 2
         ids = (allowed if is_allow_list else ~allowed).nonzero().squeeze(1)
-        self.num_masks_built += 1
-        self.mask_build_s += time.perf_counter() - began
-        return TokenMask(is_allow_list, ids.to(self.device), num_allowed, a.is_accepting[cid])
+        return TokenMask(is_allow_list, ids.to(self.device), num_allowed, accepting)
 
 
 class GuidedState:
