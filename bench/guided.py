@@ -1,0 +1,743 @@
+"""Guided decoding: our grammar engine (rawserve.engine.guided) beside xgrammar and llguidance on the real
+Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32 decode throughput.
+
+python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-tokens 8] [--skip-decode]
+                       [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
+One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
+runs, then the issue's targets); logs go to stderr. xgrammar and llguidance are bench-only extras.
+
+"Compile" for us is schema -> Grammar -> compile_grammar -> GrammarRuntime (its start configuration);
+the first mask is reported beside it (first_mask_ms) and summed in ttfm_ms (time to first mask). For
+xgrammar it is compile_json_schema on a compiler without its cache, then GrammarMatcher + the first fill;
+for llguidance grammar_from_json_schema + LLMatcher, then the first fill. A per-token mask is timed
+while a valid output (json.dumps of an instance, Qwen3-tokenized) is fed token by token; the first pass
+is warm-up (totals reported separately), the next --passes are measured. Ours is mask() + apply() on a
+float32 row; theirs is the bitmask fill (mask_*), and fill + xgrammar's CPU apply kernel (mask_apply_*).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench.engine import percentile, rev
+
+log = logging.getLogger("bench.guided")
+
+VOCAB_SIZE = 151936  # the Qwen3-0.6B logits width; the tokenizer has 151,669 tokens
+EOS_IDS = [151643, 151645]  # <|endoftext|>, <|im_end|>: what a Qwen3 request's guided_end_ids hold
+
+# Targets from the issue, as ratios measured in one run.
+MASK_P50_VS_LLG = 1.0  # ours / llguidance's, at most
+MASK_P50_VS_XGR = 4.0  # ours / xgrammar's, at most
+MASK_P99_US = 1000.0
+COMPILE_VS_XGR = 10.0  # cold compile, ours / xgrammar's, at most
+CACHED_COMPILE_MS = 1.0
+DECODE_RATIO = 0.9  # constrained / unconstrained decode tok/s at batch 32, at least
+
+# The seed's get_weather tool (shared/fixtures/tools/render_template_goldens.py; the seed's demo calls it
+# with {"city": ...}).
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "description": "City name"},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city"]}
+WEATHER_INSTANCE = {"city": "Paris", "unit": "celsius"}
+
+
+def _obj(properties: dict, required: list[str]) -> dict:
+    # additionalProperties false everywhere (OpenAI strict mode): all three engines then enforce one language
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+# An e-commerce order, 20 top-level properties: nested objects, an array of objects with a nested array,
+# enums, integers and numbers with ranges, a pattern, a nullable string, anyOf with null, optional fields.
+NESTED20_SCHEMA = _obj({
+    "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+    "status": {"type": "string", "enum": ["pending", "paid", "shipped", "delivered", "cancelled"]},
+    "created_at": {"type": "string", "description": "ISO 8601 timestamp"},
+    "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+    "customer": _obj({"id": {"type": "integer", "minimum": 1},
+                      "name": {"type": "string", "maxLength": 80},
+                      "email": {"type": "string"},
+                      "vip": {"type": "boolean"}}, ["id", "name", "email"]),
+    "shipping_address": _obj({"street": {"type": "string"}, "city": {"type": "string"},
+                              "postal_code": {"type": "string", "pattern": "^[0-9]{5}$"},
+                              "country": {"type": "string", "enum": ["US", "CA", "GB", "DE", "FR", "JP"]}},
+                             ["street", "city", "postal_code", "country"]),
+    "billing_same_as_shipping": {"type": "boolean"},
+    "items": {"type": "array", "minItems": 1, "maxItems": 20, "items": _obj({
+        "sku": {"type": "string"},
+        "name": {"type": "string"},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+        "unit_price": {"type": "number", "minimum": 0},
+        "options": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+        ["sku", "quantity", "unit_price"])},
+    "subtotal": {"type": "number", "minimum": 0},
+    "tax": {"type": "number", "minimum": 0},
+    "discount_code": {"type": ["string", "null"]},
+    "total": {"type": "number", "minimum": 0},
+    "currency": {"type": "string", "enum": ["USD", "EUR", "GBP", "JPY"]},
+    "payment": _obj({"method": {"type": "string", "enum": ["card", "paypal", "bank_transfer"]},
+                     "last4": {"type": "string", "pattern": "^[0-9]{4}$"},
+                     "installments": {"type": "integer", "minimum": 1, "maximum": 12}}, ["method"]),
+    "gift": {"type": "boolean"},
+    "gift_message": {"type": "string", "maxLength": 200},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["fragile", "express", "b2b", "return"]},
+             "maxItems": 4},
+    "notes": {"type": "string"},
+    "estimated_delivery_days": {"type": "integer", "minimum": 0, "maximum": 60},
+    "tracking": {"anyOf": [_obj({"carrier": {"type": "string"}, "number": {"type": "string"}},
+                                ["carrier", "number"]), {"type": "null"}]},
+}, ["order_id", "status", "created_at", "customer", "shipping_address", "items", "subtotal", "total", "currency",
+    "payment", "tracking"])
+NESTED20_INSTANCE = {
+    "order_id": "ORD-004217", "status": "shipped", "created_at": "2025-03-14T09:26:53Z", "priority": 2,
+    "customer": {"id": 88123, "name": "Zoë Müller", "email": "zoe.mueller@example.com", "vip": True},
+    "shipping_address": {"street": "221B Baker Street", "city": "London", "postal_code": "10115", "country": "GB"},
+    "billing_same_as_shipping": False,
+    "items": [{"sku": "KB-87-TKL", "name": "Mechanical keyboard (tenkeyless)", "quantity": 1, "unit_price": 129.99,
+               "options": ["brown switches", "UK layout"]},
+              {"sku": "USB-C-2M", "name": "USB-C cable, 2 m", "quantity": 3, "unit_price": 9.5},
+              {"sku": "MOUSE-PAD-XL", "quantity": 1, "unit_price": 24.0, "options": []}],
+    "subtotal": 182.49, "tax": 36.5, "discount_code": None, "total": 218.99, "currency": "GBP",
+    "payment": {"method": "card", "last4": "4242", "installments": 1},
+    "gift": True, "gift_message": "Happy birthday! 🎉 Hope the clicky keys don't annoy everyone too much.",
+    "tags": ["fragile", "express"], "notes": "Leave with the neighbour at no. 12 if nobody's home.",
+    "estimated_delivery_days": 3, "tracking": {"carrier": "DHL", "number": "JD014600006281234567"},
+}
+
+
+class ForcedTool:
+    """tool_choice naming one function: our grammar only (hermes calls with the <tool_call> added tokens),
+    as the server builds it; xgrammar and llguidance would need their structural-tag APIs, so they skip it."""
+
+    def __init__(self, name: str, parameters: dict) -> None:
+        self.name, self.parameters = name, parameters
+
+
+# json_object is fed the same order: any object will do, this one is long and nested.
+CASES = {"get_weather": (WEATHER_SCHEMA, WEATHER_INSTANCE), "nested20": (NESTED20_SCHEMA, NESTED20_INSTANCE),
+         "json_object": (None, NESTED20_INSTANCE),
+         "get_weather_tool_call": (ForcedTool("get_weather", WEATHER_SCHEMA), WEATHER_INSTANCE)}
+
+
+def output_text(schema, instance) -> str:
+    if isinstance(schema, ForcedTool):  # what Qwen3's chat template shows a call as
+        return ("<tool_call>\n" + json.dumps({"name": schema.name, "arguments": instance}, ensure_ascii=False)
+                + "\n</tool_call>")
+    return json.dumps(instance, ensure_ascii=False)
+
+
+def is_tree_dirty() -> bool:
+    """Whether rawserve/ has uncommitted changes: then `rev` alone does not name the code measured."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", "--", "rawserve"], capture_output=True, text=True,
+                                   check=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return True
+
+
+def us_stats(prefix: str, samples_ns: list[int]) -> dict:
+    us = [s / 1e3 for s in samples_ns]
+    return {f"{prefix}_p50_us": round(percentile(us, 0.5), 2), f"{prefix}_p99_us": round(percentile(us, 0.99), 2),
+            f"{prefix}_max_us": round(max(us), 2), f"{prefix}_mean_us": round(statistics.fmean(us), 2)}
+
+
+def median_ms(samples_s: list[float]) -> float:
+    return round(statistics.median(samples_s) * 1e3, 3)
+
+
+# ----- ours
+
+class Ours:
+    name = "rawserve"
+
+    def __init__(self, model_dir: str, tokenizer) -> None:
+        from rawserve.engine.guided.vocab import load_vocab_index
+
+        began = time.perf_counter()
+        self.vocab = load_vocab_index(model_dir, VOCAB_SIZE)  # from the disk cache after the first run
+        self.setup_ms = round((time.perf_counter() - began) * 1e3, 1)
+        self.tokenizer = tokenizer
+        self.row = torch.empty(VOCAB_SIZE)
+
+    @staticmethod
+    def spec(schema):
+        """The GuidedSpec the server makes for this request (request_spec's canonical text)."""
+        from rawserve.api.guided import GuidedSpec
+
+        if schema is None:
+            return GuidedSpec("json_object", "", "response_format")
+        if isinstance(schema, ForcedTool):
+            tools = ((schema.name, json.dumps(schema.parameters, ensure_ascii=False)),)
+            return GuidedSpec("tools", json.dumps(["hermes", False, tools], ensure_ascii=False), "tool_choice")
+        return GuidedSpec("json", json.dumps(schema, ensure_ascii=False), "response_format.json_schema.schema")
+
+    def grammar(self, schema):
+        from rawserve.api.guided import build_grammar
+
+        return build_grammar(self.spec(schema), self.tokenizer)
+
+    def compile(self, schema, key: str):
+        """(runtime, compile_s, first_mask_s), all cold: a fresh key, so nothing is shared with earlier runs.
+        The spec's text is made before the clock starts (the cached path times it)."""
+        from rawserve.engine.guided.automaton import compile_grammar
+        from rawserve.engine.guided.matcher import GrammarRuntime, GuidedState
+
+        spec = self.spec(schema)
+        from rawserve.api.guided import build_grammar
+
+        began = time.perf_counter()
+        runtime = GrammarRuntime(compile_grammar(build_grammar(spec, self.tokenizer), key), self.vocab)
+        compiled = time.perf_counter()
+        GuidedState(runtime).mask()
+        return runtime, compiled - began, time.perf_counter() - compiled
+
+    def cached_compile_s(self, schema: dict | None, reps: int) -> list[float]:
+        """What a repeated schema costs the server: its canonical text (as request_spec makes it) and a
+        GrammarCache hit, awaited on an event loop."""
+        from rawserve.api.guided import GrammarCache
+
+        cache = GrammarCache(self.tokenizer)
+
+        async def run() -> list[float]:
+            times = []
+            for i in range(reps + 1):
+                began = time.perf_counter()
+                await cache.get(self.spec(schema))
+                if i:  # the first is the miss that fills the cache
+                    times.append(time.perf_counter() - began)
+            assert cache.hits == reps and cache.misses == 1
+            return times
+
+        return asyncio.run(run())
+
+    def feed(self, runtime, tokens: list[int], check: bool) -> dict[str, list[int]]:
+        """One request fed `tokens`: per position the mask + apply time (wall and this thread's CPU), and
+        the advance time, in ns."""
+        from rawserve.engine.guided.matcher import GuidedState
+
+        state = GuidedState(runtime)
+        row = self.row
+        mask_ns, mask_cpu_ns, advance_ns = [], [], []
+        clock, cpu = time.perf_counter_ns, time.thread_time_ns
+        for i in range(len(tokens) + 1):
+            row.normal_()  # outside the clock: a fresh row each time, as a step's logits are
+            began_cpu, began = cpu(), clock()
+            mask = state.mask()
+            mask.apply(row, EOS_IDS)
+            mask_ns.append(clock() - began)
+            mask_cpu_ns.append(cpu() - began_cpu)
+            if i == len(tokens):
+                break
+            if check and not bool(mask.allowed(VOCAB_SIZE)[tokens[i]]):
+                raise AssertionError(f"rawserve masks out token {tokens[i]} at position {i}")
+            began = clock()
+            state.advance(tokens[i])
+            advance_ns.append(clock() - began)
+        if check and not (mask.accepting and row[EOS_IDS[1]] > float("-inf")):
+            raise AssertionError("rawserve does not accept the whole output")
+        return {"mask": mask_ns, "mask_cpu": mask_cpu_ns, "advance": advance_ns}
+
+
+# ----- xgrammar
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, hf_tokenizer) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        began = time.perf_counter()
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=VOCAB_SIZE)
+        self.setup_ms = round((time.perf_counter() - began) * 1e3, 1)
+        self.cached_compiler = xgr.GrammarCompiler(self.info, cache_enabled=True)
+        self.bitmask = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
+        self.row = torch.empty(1, VOCAB_SIZE)
+
+    def _compile(self, compiler, schema: dict | None):
+        if schema is None:
+            return compiler.compile_builtin_json_grammar()
+        # json.dumps's separators and no other whitespace: the text every engine is fed
+        return compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
+
+    def compile(self, schema: dict | None, key: str):
+        xgr = self.xgr
+        compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        began = time.perf_counter()
+        compiled = self._compile(compiler, schema)
+        done = time.perf_counter()
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(self.bitmask)
+        return compiled, done - began, time.perf_counter() - done
+
+    def cached_compile_s(self, schema: dict | None, reps: int) -> list[float]:
+        self._compile(self.cached_compiler, schema)
+        times = []
+        for _ in range(reps):
+            began = time.perf_counter()
+            self._compile(self.cached_compiler, schema)
+            times.append(time.perf_counter() - began)
+        return times
+
+    def feed(self, compiled, tokens: list[int], check: bool) -> dict[str, list[int]]:
+        xgr = self.xgr
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask, row = self.bitmask, self.row
+        fill_ns, fill_cpu_ns, apply_ns, apply_cpu_ns, advance_ns = [], [], [], [], []
+        clock, cpu = time.perf_counter_ns, time.thread_time_ns
+        for i in range(len(tokens) + 1):
+            row.normal_()
+            began_cpu, began = cpu(), clock()
+            matcher.fill_next_token_bitmask(bitmask)
+            filled, filled_cpu = clock(), cpu()
+            xgr.apply_token_bitmask_inplace(row, bitmask, backend="cpu")
+            apply_ns.append(clock() - filled)
+            apply_cpu_ns.append(cpu() - filled_cpu)
+            fill_ns.append(filled - began)
+            fill_cpu_ns.append(filled_cpu - began_cpu)
+            if i == len(tokens):
+                break
+            if check and row[0, tokens[i]] == float("-inf"):
+                raise AssertionError(f"xgrammar masks out token {tokens[i]} at position {i}")
+            began = clock()
+            ok = matcher.accept_token(tokens[i])
+            advance_ns.append(clock() - began)
+            if not ok:
+                raise AssertionError(f"xgrammar rejects token {tokens[i]} at position {i}")
+        if check and not matcher.accept_token(EOS_IDS[1]):
+            raise AssertionError("xgrammar does not accept the whole output")
+        return {"mask": fill_ns, "mask_cpu": fill_cpu_ns, "apply": apply_ns, "apply_cpu": apply_cpu_ns,
+                "advance": advance_ns}
+
+
+# ----- llguidance
+
+class LLGuidance:
+    name = "llguidance"
+    # json.dumps's separators and no other whitespace, as for xgrammar
+    OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+    def __init__(self, hf_tokenizer) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+        import xgrammar
+
+        self.llg = llguidance
+        self.fill = llguidance.torch.fill_next_token_bitmask
+        # llguidance.torch's own apply is plain torch and takes 10-30 ms a row on this CPU; a server would
+        # apply its bitmask with a kernel, so xgrammar's CPU one (same int32 layout) stands in.
+        self.apply = xgrammar.apply_token_bitmask_inplace
+        began = time.perf_counter()
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=VOCAB_SIZE)
+        self.setup_ms = round((time.perf_counter() - began) * 1e3, 1)
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, VOCAB_SIZE)
+        self.row = torch.empty(1, VOCAB_SIZE)
+
+    def _grammar(self, schema: dict | None) -> str:
+        return self.llg.LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema,
+                                                           overrides=self.OPTIONS)
+
+    def _matcher(self, grammar: str):
+        matcher = self.llg.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise RuntimeError(f"llguidance: {matcher.get_error()}")
+        return matcher
+
+    def compile(self, schema: dict | None, key: str):
+        began = time.perf_counter()
+        grammar = self._grammar(schema)
+        matcher = self._matcher(grammar)
+        done = time.perf_counter()
+        self.fill(matcher, self.bitmask, 0)
+        return grammar, done - began, time.perf_counter() - done
+
+    def cached_compile_s(self, schema: dict | None, reps: int) -> list[float]:
+        times = []  # no compile cache: every request builds its matcher (lazily, so this is cheap)
+        for _ in range(reps):
+            began = time.perf_counter()
+            self._matcher(self._grammar(schema))
+            times.append(time.perf_counter() - began)
+        return times
+
+    def feed(self, grammar: str, tokens: list[int], check: bool) -> dict[str, list[int]]:
+        matcher = self._matcher(grammar)
+        bitmask, row = self.bitmask, self.row
+        fill_ns, fill_cpu_ns, apply_ns, apply_cpu_ns, advance_ns = [], [], [], [], []
+        clock, cpu = time.perf_counter_ns, time.thread_time_ns
+        for i in range(len(tokens) + 1):
+            row.normal_()
+            began_cpu, began = cpu(), clock()
+            self.fill(matcher, bitmask, 0)
+            filled, filled_cpu = clock(), cpu()
+            self.apply(row, bitmask, backend="cpu")
+            apply_ns.append(clock() - filled)
+            apply_cpu_ns.append(cpu() - filled_cpu)
+            fill_ns.append(filled - began)
+            fill_cpu_ns.append(filled_cpu - began_cpu)
+            if i == len(tokens):
+                break
+            if check and row[0, tokens[i]] == float("-inf"):
+                raise AssertionError(f"llguidance masks out token {tokens[i]} at position {i}")
+            began = clock()
+            ok = matcher.consume_token(tokens[i])
+            advance_ns.append(clock() - began)
+            if not ok:
+                raise AssertionError(f"llguidance rejects token {tokens[i]} at position {i}: {matcher.get_error()}")
+        if check and not matcher.consume_token(EOS_IDS[1]):
+            raise AssertionError("llguidance does not accept the whole output")
+        return {"mask": fill_ns, "mask_cpu": fill_cpu_ns, "apply": apply_ns, "apply_cpu": apply_cpu_ns,
+                "advance": advance_ns}
+
+
+def bench_case(impls: list, case: str, schema, tokens: list[int], args, base: dict) -> dict[str, dict]:
+    """Per implementation: cold compiles (--compile-reps, median), cached compiles, one warm-up pass; then
+    the measured passes, taking turns (a pass of each in turn), so a change in the box's load hits all alike."""
+    passes = max(args.passes, -(-args.min_samples // (len(tokens) + 1)))
+    rows, handles, measured = {}, {}, {}
+    for impl in impls:
+        compiles, first_masks = [], []
+        for rep in range(args.compile_reps):
+            key = f"bench-{case}-{rep}-{time.monotonic_ns()}"
+            handles[impl.name], compile_s, first_mask_s = impl.compile(schema, key)
+            compiles.append(compile_s)
+            first_masks.append(first_mask_s)
+        cached = impl.cached_compile_s(schema, reps=50)
+        row = {**base, "bench": "guided", "schema": case, "impl": impl.name, "num_output_tokens": len(tokens),
+               "passes": passes, "compile_reps": args.compile_reps, "compile_ms": median_ms(compiles),
+               "compile_ms_first": round(compiles[0] * 1e3, 3), "first_mask_ms": median_ms(first_masks),
+               "ttfm_ms": median_ms([a + b for a, b in zip(compiles, first_masks)]),
+               "cached_compile_ms": round(percentile(cached, 0.5) * 1e3, 4),
+               "cached_compile_max_ms": round(max(cached) * 1e3, 4)}
+        began = time.perf_counter()
+        warm = impl.feed(handles[impl.name], tokens, check=True)
+        row["warmup_ms"] = round((time.perf_counter() - began) * 1e3, 2)
+        # warm-up: the cold pass (ours builds each configuration's mask the first time it is reached)
+        row.update(warmup_mask_total_ms=round(sum(warm["mask"]) / 1e6, 2),
+                   warmup_mask_max_ms=round(max(warm["mask"]) / 1e6, 2),
+                   warmup_mask_cpu_max_ms=round(max(warm["mask_cpu"]) / 1e6, 2),
+                   warmup_advance_total_ms=round(sum(warm["advance"]) / 1e6, 2))
+        rows[impl.name] = row
+        measured[impl.name] = []
+    for _ in range(passes):
+        for impl in impls:
+            measured[impl.name].append(impl.feed(handles[impl.name], tokens, check=False))
+    for impl in impls:
+        row, runs, handle = rows[impl.name], measured[impl.name], handles[impl.name]
+
+        def pooled(name: str) -> list[int]:
+            return [t for m in runs for t in m[name]]
+
+        # mask_*: ours is mask() + apply(); theirs is the bitmask fill alone. *_cpu_*: this thread's CPU time,
+        # which leaves out the time the shared box's scheduler had us off the core.
+        row.update(us_stats("mask", pooled("mask")))
+        row.update(us_stats("mask_cpu", pooled("mask_cpu")))
+        if impl.name == "rawserve":
+            row.update(num_configs=handle.automaton.num_configs, num_masks_built=handle.num_masks_built,
+                       nfa_states=handle.automaton.g.num_states)
+        else:
+            row.update(us_stats("apply", pooled("apply")))
+            row.update(us_stats("mask_apply", [f + a for m in runs for f, a in zip(m["mask"], m["apply"])]))
+            row.update(us_stats("mask_apply_cpu", [f + a for m in runs for f, a in zip(m["mask_cpu"], m["apply_cpu"])]))
+        row.update(us_stats("advance", pooled("advance")))
+        row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    return rows
+
+
+def ratios(case: str, rows: dict[str, dict], base: dict) -> dict:
+    ours, xgr, llg = rows.get("rawserve"), rows.get("xgrammar"), rows.get("llguidance")
+    out = {**base, "bench": "guided_ratios", "schema": case}
+    if xgr is None or llg is None:
+        return out
+
+    def r(a: float, b: float) -> float:
+        return round(a / b, 3) if b else float("inf")
+
+    out.update(
+        # ours (mask + apply) over their fill alone (the issue's figures) and over fill + apply
+        mask_p50_vs_llg=r(ours["mask_p50_us"], llg["mask_p50_us"]),
+        mask_p50_vs_llg_with_apply=r(ours["mask_p50_us"], llg["mask_apply_p50_us"]),
+        mask_p50_vs_xgr=r(ours["mask_p50_us"], xgr["mask_p50_us"]),
+        mask_p50_vs_xgr_with_apply=r(ours["mask_p50_us"], xgr["mask_apply_p50_us"]),
+        mask_p99_vs_xgr=r(ours["mask_p99_us"], xgr["mask_p99_us"]),
+        mask_cpu_p99_vs_xgr=r(ours["mask_cpu_p99_us"], xgr["mask_cpu_p99_us"]),
+        mask_cpu_p99_vs_llg=r(ours["mask_cpu_p99_us"], llg["mask_cpu_p99_us"]),
+        mask_p99_vs_llg=r(ours["mask_p99_us"], llg["mask_p99_us"]),
+        compile_vs_xgr=r(ours["compile_ms"], xgr["compile_ms"]),
+        ttfm_vs_xgr=r(ours["ttfm_ms"], xgr["ttfm_ms"]),
+        ttfm_vs_llg=r(ours["ttfm_ms"], llg["ttfm_ms"]),
+        warmup_mask_total_vs_xgr=r(ours["warmup_mask_total_ms"], xgr["warmup_mask_total_ms"]),
+        warmup_mask_total_vs_llg=r(ours["warmup_mask_total_ms"], llg["warmup_mask_total_ms"]))
+    return out
+
+
+# ----- decode at batch 32
+
+class GuidedTimer:
+    """Bench-only wrappers on GuidedState.mask/advance and TokenMask.apply: the guided host time per step."""
+
+    def __init__(self) -> None:
+        from rawserve.engine.guided.matcher import GuidedState, TokenMask
+
+        self.total_s = 0.0
+        self.saved = [(GuidedState, "mask", GuidedState.mask), (GuidedState, "advance", GuidedState.advance),
+                      (TokenMask, "apply", TokenMask.apply)]
+        for cls, attr, inner in self.saved:
+            setattr(cls, attr, self._wrap(inner))
+
+    def _wrap(self, inner):
+        def timed(*a, **k):
+            began = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.total_s += time.perf_counter() - began
+        return timed
+
+    def restore(self) -> None:
+        for cls, attr, inner in self.saved:
+            setattr(cls, attr, inner)
+
+
+def decode_run(core, prompts: list[list[int]], output_len: int, guided, tag: str, timer: GuidedTimer) -> dict:
+    from rawserve.engine.types import SamplingParams
+
+    for i, ids in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=output_len, temperature=1.0, seed=1000 + i,
+                                                           guided=guided))
+    batch = len(prompts)
+    steps = []  # (wall_s, guided_s, num_running before the step, tokens out)
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    began = time.perf_counter()
+    while core.has_unfinished:
+        running = core.scheduler.num_running
+        timer.total_s = 0.0
+        t0 = time.perf_counter()
+        outs = core.step()
+        steps.append((time.perf_counter() - t0, timer.total_s, running, sum(len(o.new_token_ids) for o in outs)))
+        for o in outs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    elapsed = time.perf_counter() - began
+    num_tokens = sum(len(v) for v in outputs.values())
+    # decode steps with every seat taken (the prefill step excluded: it starts with none running)
+    full = [s for s in steps if s[2] == batch and s[3] == batch]
+    return {"elapsed_s": elapsed, "num_output_tokens": num_tokens, "steps": steps, "full": full,
+            "outputs": outputs, "reasons": reasons}
+
+
+def bench_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> list[dict]:
+    from rawserve.config import EngineConfig
+    from rawserve.engine.core import EngineCore
+    from rawserve.engine.guided.automaton import compile_grammar
+
+    batch, out_len = args.batch, args.decode_tokens
+    prompts = [tokenizer.encode(f"Order #{i}: reply with the order as one JSON object.") for i in range(batch)]
+    max_prompt = max(len(p) for p in prompts)
+    seq_blocks = -(-(max_prompt + out_len + 8) // 16)
+    config = EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", block_size=16,
+                          num_kv_blocks=2 * batch * seq_blocks + 16, max_num_seqs=batch,
+                          max_num_batched_tokens=4096, max_model_len=max_prompt + out_len + 8)
+    log.info("decode: loading %s", model_dir)
+    core = EngineCore(config)
+    core.guided_registry()  # the vocabulary index, from its disk cache: engine start-up, not a step's cost
+    timer = GuidedTimer()
+    try:
+        began = time.perf_counter()
+        decode_run(core, prompts, 2, None, "warmup", timer)  # batch shapes, allocator growth
+        warmup_s = time.perf_counter() - began
+        grammars = {"none": None}
+        for name in args.decode_grammars.split(","):
+            schema = CASES[name][0]
+            grammars[name] = compile_grammar(ours.grammar(schema), f"decode-{name}-{time.monotonic_ns()}")
+        # unconstrained first and last, so a change in the box's load shows; each grammar cold (a fresh key:
+        # every configuration's mask is built in the step that first needs it) and, with --decode-warm, again
+        # warm (same key and seeds: the same outputs, every mask cached)
+        phases = ("cold", "warm") if args.decode_warm else ("cold",)
+        order = ["none"] + [f"{n}:{phase}" for n in grammars if n != "none" for phase in phases] + ["none"]
+        rows = []
+        for run_index, label in enumerate(order):
+            name = label.split(":")[0]
+            log.info("decode: %s", label)
+            result = decode_run(core, prompts, out_len, grammars[name], f"r{run_index}", timer)
+            full = result["full"]
+            step_ms = [s[0] * 1e3 for s in full]
+            guided_ms = [s[1] * 1e3 for s in full]
+            finished_early = sum(1 for r in result["reasons"].values() if r != "length")
+            rows.append({**base, "bench": "guided_decode", "grammar": name,
+                         "phase": label.split(":")[1] if ":" in label else "-", "run": run_index,
+                         "batch": batch, "max_tokens": out_len, "prompt_len_max": max_prompt, "temperature": 1.0,
+                         "num_output_tokens": result["num_output_tokens"], "elapsed_s": round(result["elapsed_s"], 3),
+                         "output_tok_s": round(result["num_output_tokens"] / result["elapsed_s"], 1),
+                         "num_full_batch_steps": len(full),
+                         "step_ms_p50": round(percentile(step_ms, 0.5), 2) if full else None,
+                         "decode_tok_s_at_full_batch": (round(batch * 1e3 / percentile(step_ms, 0.5), 1)
+                                                        if full else None),
+                         "guided_ms_per_step_p50": round(percentile(guided_ms, 0.5), 2) if full else None,
+                         "guided_ms_per_step_max": round(max(guided_ms), 2) if full else None,
+                         "guided_ms_total": round(sum(s[1] for s in result["steps"]) * 1e3, 1),
+                         "num_finished_early": finished_early, "warmup_s": round(warmup_s, 2),
+                         "load_avg_1m": round(os.getloadavg()[0], 2)})
+            if name != "none":
+                check_outputs(tokenizer, name, result)
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        timer.restore()
+    return rows
+
+
+def check_outputs(tokenizer, name: str, result: dict) -> None:
+    """A finished output must parse as JSON (a length-capped one is a prefix, not checked)."""
+    for rid, ids in result["outputs"].items():
+        if result["reasons"][rid] == "stop":
+            text = tokenizer.decode([t for t in ids if t not in EOS_IDS])
+            try:
+                json.loads(text)
+            except ValueError:
+                log.warning("decode %s: %s finished with text that is not JSON: %r", name, rid, text[:200])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", type=int, default=5, help="Measured passes over each output (after 1 warm-up).")
+    parser.add_argument("--min-samples", type=int, default=300,
+                        help="More passes for a short output, up to this many masks per implementation.")
+    parser.add_argument("--compile-reps", type=int, default=3, help="Cold compiles per schema (median reported).")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=8,
+                        help="max_tokens of each decode request (a batch-32 step of the 0.6B shape in float32 takes "
+                             "seconds on a shared 2-core box).")
+    parser.add_argument("--decode-grammars", default="nested20",
+                        help="json_object works too, but a random model closes most objects within a few tokens, "
+                             "so few steps run the full batch.")
+    parser.add_argument("--decode-warm", action="store_true", help="Also run each grammar again with its masks cached.")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--only-ours", action="store_true", help="Skip xgrammar and llguidance.")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--mask-threads", type=int, default=1,
+                        help="torch threads for the compile/mask part (0: torch's default). On a shared 2-core box "
+                             "a 2-thread fill_ of one row waits milliseconds for the second OpenMP thread.")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    run_began = time.perf_counter()
+
+    from bench.checkpoints import QWEN3_TOKENIZER, ensure_qwen3_06b_shape
+    from rawserve.text.tokenizer import Tokenizer
+
+    model_dir = str(ensure_qwen3_06b_shape("float32"))  # also the home of the vocabulary index's disk cache
+    tokenizer = Tokenizer.from_dir(model_dir)
+    decode_threads = torch.get_num_threads()
+    if args.mask_threads:
+        torch.set_num_threads(args.mask_threads)
+    base = {"rev": rev(), "rawserve_tree_dirty": is_tree_dirty(), "threads": torch.get_num_threads(),
+            "vocab_size": VOCAB_SIZE}
+    impls = [Ours(model_dir, tokenizer)]
+    setup = {**base, "bench": "guided_setup", "rawserve_vocab_index_ms": impls[0].setup_ms}
+    if not args.only_ours:
+        import llguidance
+        import xgrammar  # noqa: F401  (the bench extras: fail here, before any timing, if absent)
+        from importlib.metadata import version
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+        setup["num_tokenizer_tokens"] = len(hf)
+        impls += [XGrammar(hf), LLGuidance(hf)]
+        setup.update(xgrammar_version=version("xgrammar"), llguidance_version=version("llguidance"),
+                     xgrammar_tokenizer_info_ms=impls[1].setup_ms, llguidance_tokenizer_ms=impls[2].setup_ms)
+        del llguidance
+    print(json.dumps(setup), flush=True)
+
+    # a throwaway compile and feed, so first-call costs of imports and torch ops stay out of the numbers
+    for impl in impls:
+        handle, _, _ = impl.compile({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                                     "additionalProperties": False}, f"throwaway-{time.monotonic_ns()}")
+        impl.feed(handle, tokenizer.encode('{"x": 12}', add_special_tokens=False), check=True)
+
+    all_rows: dict[str, dict[str, dict]] = {}
+    for case in args.cases.split(","):
+        schema, instance = CASES[case]
+        text = output_text(schema, instance)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        log.info("%s: %d characters, %d tokens", case, len(text), len(tokens))
+        rows = bench_case([i for i in impls if i.name == "rawserve" or not isinstance(schema, ForcedTool)], case,
+                          schema, tokens, args, {**base, "output_chars": len(text)})
+        for row in rows.values():
+            print(json.dumps(row), flush=True)
+        all_rows[case] = rows
+        if len(rows) > 1:
+            print(json.dumps(ratios(case, rows, base)), flush=True)
+
+    torch.set_num_threads(decode_threads)
+    base["threads"] = decode_threads
+    decode_rows = [] if args.skip_decode else bench_decode(args, model_dir, tokenizer, impls[0], base)
+    print(json.dumps(targets(all_rows, decode_rows, base, time.perf_counter() - run_began)), flush=True)
+
+
+def targets(all_rows: dict, decode_rows: list[dict], base: dict, run_s: float) -> dict:
+    out = {**base, "bench": "guided_targets"}
+    met = []
+    for case, rows in all_rows.items():
+        ours, xgr, llg = rows["rawserve"], rows.get("xgrammar"), rows.get("llguidance")
+        if case == "get_weather_tool_call":  # ours alone, beside the plain schema: not one of the issue's targets
+            out[case] = {"mask_p99_us": ours["mask_p99_us"], "ttfm_ms": ours["ttfm_ms"],
+                         "cached_compile_ms": ours["cached_compile_ms"]}
+            continue
+        t = {"mask_p99_us": ours["mask_p99_us"], "mask_p99_met": ours["mask_p99_us"] <= MASK_P99_US,
+             "mask_cpu_p99_us": ours["mask_cpu_p99_us"],  # informative: the same without scheduler preemption
+             "cached_compile_ms": ours["cached_compile_ms"],
+             "cached_compile_met": ours["cached_compile_ms"] <= CACHED_COMPILE_MS}
+        if xgr and llg:
+            vs_llg = ours["mask_p50_us"] / llg["mask_p50_us"]
+            vs_xgr = ours["mask_p50_us"] / xgr["mask_p50_us"]
+            vs_xgr_apply = ours["mask_p50_us"] / xgr["mask_apply_p50_us"]
+            compile_ratio = ours["ttfm_ms"] / xgr["ttfm_ms"]
+            t.update(mask_p50_vs_llg=round(vs_llg, 3), mask_p50_vs_llg_met=vs_llg <= MASK_P50_VS_LLG,
+                     mask_p50_vs_xgr=round(vs_xgr, 3), mask_p50_vs_xgr_met=vs_xgr <= MASK_P50_VS_XGR,
+                     mask_p50_vs_xgr_with_apply=round(vs_xgr_apply, 3),
+                     mask_p50_vs_xgr_with_apply_met=vs_xgr_apply <= MASK_P50_VS_XGR,
+                     # time to first mask on both sides: compile + runtime/matcher + the first mask
+                     cold_compile_vs_xgr=round(compile_ratio, 3),
+                     cold_compile_vs_xgr_met=compile_ratio <= COMPILE_VS_XGR)
+        out[case] = t
+        met += [v for k, v in t.items() if k.endswith("_met") and k != "mask_p50_vs_xgr_with_apply_met"]
+    for row in decode_rows:
+        if row["grammar"] == "none":
+            continue
+        # against the mean of the unconstrained runs before and after
+        plain = [r["decode_tok_s_at_full_batch"] for r in decode_rows if r["grammar"] == "none"]
+        if not all(plain) or row["decode_tok_s_at_full_batch"] is None:
+            continue
+        ratio = row["decode_tok_s_at_full_batch"] / statistics.fmean(plain)
+        key = f"decode_{row['grammar']}_{row['phase']}"
+        # The same from the guided time inside the constrained steps alone, which the box's load swings less:
+        # an unconstrained step plus that time.
+        plain_step_ms = statistics.fmean(r["step_ms_p50"] for r in decode_rows if r["grammar"] == "none")
+        out[key] = {"tok_s": row["decode_tok_s_at_full_batch"],
+                    "unconstrained_tok_s": round(statistics.fmean(plain), 1),
+                    "ratio": round(ratio, 3), "met": ratio >= DECODE_RATIO,
+                    "guided_ms_per_step_p50": row["guided_ms_per_step_p50"],
+                    "unconstrained_step_ms_p50": round(plain_step_ms, 1),
+                    "ratio_from_guided_ms": round(plain_step_ms / (plain_step_ms + row["guided_ms_per_step_p50"]), 3),
+                    "output_tok_s_ratio": round(row["output_tok_s"] / statistics.fmean(
+                        [r["output_tok_s"] for r in decode_rows if r["grammar"] == "none"]), 3)}
+        met.append(ratio >= DECODE_RATIO)
+    out.update(targets={"mask_p50_vs_llg_max": MASK_P50_VS_LLG, "mask_p50_vs_xgr_max": MASK_P50_VS_XGR,
+                        "mask_p99_us_max": MASK_P99_US, "cold_compile_vs_xgr_max": COMPILE_VS_XGR,
+                        "cached_compile_ms_max": CACHED_COMPILE_MS, "decode_ratio_min": DECODE_RATIO},
+               num_met=sum(met), num_checked=len(met), all_met=all(met) if met else None,
+               run_s=round(run_s, 1), load_avg_1m=round(os.getloadavg()[0], 2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
