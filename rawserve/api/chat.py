@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from rawserve.api.guided import ToolForcing, request_spec
 from rawserve.api.protocol import ChatMessage, ChatRequest
 from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, merge, stream_error,
                                   wants_usage_chunk)
@@ -54,6 +55,43 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
+    """tool_choice 'required' or {"type": "function", "function": {"name": ...}} as a grammar input:
+    calls in the model's own format, each naming a listed tool with arguments valid for it."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not req.tools:
+        raise APIError(400, "tool_choice other than 'none' or 'auto' needs a non-empty tools list.",
+                       param="tool_choice")
+    tools = [(t.function.name, json.dumps(t.function.parameters, ensure_ascii=False)
+              if t.function.parameters is not None else "") for t in req.tools]
+    parallel = req.parallel_tool_calls
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                '"function": {"name": "..."}}.', param="tool_choice")
+        tools = [t for t in tools if t[0] == name]
+        if not tools:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools.",
+                           param="tool_choice.function.name")
+        parallel = False  # a named choice is one call to that function, as OpenAI makes it
+    return ToolForcing(tuple(tools), parallel, ctx.tool_call_parser)
+
+
+def finish_reason(out_reason: str | None, has_tool_calls: bool, forced: ToolForcing | None,
+                  named: bool) -> str | None:
+    """OpenAI's finish_reason: tool_calls when calls were parsed (stop for a named tool_choice); a
+    forced call cut short by max_tokens stays length."""
+    if out_reason == "length" and forced is not None:
+        return "length"
+    if has_tool_calls:
+        return "stop" if named else "tool_calls"
+    return out_reason
+
+
 def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
     """-> (prompt text, whether tool calls are parsed)."""
     if not req.messages:
@@ -62,12 +100,6 @@ def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
         raise APIError(400, "This model has no chat template; use /v1/completions or start the server with "
                             "--chat-template.", param="messages")
     choice = req.tool_choice
-    if choice == "required" or isinstance(choice, dict):
-        raise APIError(400, "tool_choice 'required' or a named function needs guided decoding, which this "
-                            "server does not support yet; use 'auto' or 'none'.", param="tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format {req.response_format.type!r} needs guided decoding, which this "
-                            "server does not support yet.", param="response_format")
     tools = None
     if req.tools and choice != "none":
         tools = [{"type": "function", "function": {k: v for k, v in (
@@ -97,11 +129,15 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
     text, use_tools = render_prompt(ctx, req)
+    forced = tool_forcing(ctx, req)
+    named = isinstance(req.tool_choice, dict)
+    spec = request_spec(req, tools=forced)
+    guided = await ctx.grammars.get(spec) if spec is not None else None
     # The template already put BOS (or not) where the model wants it.
     ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs)
+    params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = ctx.start_streams([ids], params, rid, req)
     opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
@@ -109,7 +145,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
                             starts_in_reasoning=opened) for _ in streams]
     base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return SSEResponse(_chunks(ctx, req, streams, parsers, base, UsageTally([len(ids)], params.n)))
+        return SSEResponse(_chunks(ctx, req, streams, parsers, base, UsageTally([len(ids)], params.n), forced, named))
     messages = [{"role": "assistant", "content": ""} for _ in streams]
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
@@ -121,13 +157,15 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
             entries[k] += out.logprobs or []
             tally.add(k, out)
             if out.finished:
-                reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
+                reason = finish_reason(out.finish_reason, parsers[k].has_tool_calls, forced, named)
                 finish[k] = (reason, out.stop_reason)
     except Exception as error:  # the engine's failure, shown to this client only
         raise stream_error(error) from None
     choices = []
     for k, message in enumerate(messages):
-        if message.get("tool_calls") and not message["content"]:
+        if forced is not None and finish[k][0] == "length":  # a forced call cut short is no call
+            message["tool_calls"] = []
+        if message.get("tool_calls") is not None and not message["content"]:
             message["content"] = None
         choices.append({"index": k, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, entries[k])
                         if req.logprobs else None, "finish_reason": finish[k][0], "stop_reason": finish[k][1]})
@@ -149,7 +187,7 @@ def _accumulate(message: dict, delta: dict) -> None:
 
 
 async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
-                  tally: UsageTally) -> AsyncIterator[dict]:
+                  tally: UsageTally, forced: ToolForcing | None, named: bool) -> AsyncIterator[dict]:
     base = {**base, "object": "chat.completion.chunk"}
     for k in range(len(streams)):
         yield {**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -163,7 +201,7 @@ async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers:
                 yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
                 lp = None
             if out.finished:
-                reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
+                reason = finish_reason(out.finish_reason, parsers[k].has_tool_calls, forced, named)
                 yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
                                             "stop_reason": out.stop_reason}]}
     except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]

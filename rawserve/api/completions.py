@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from rawserve.api.guided import request_spec
 from rawserve.api.protocol import CompletionRequest
 from rawserve.api.serving import (ServingContext, UsageTally, check_logprobs, completion_logprobs, merge,
                                   stream_error, wants_usage_chunk)
@@ -47,8 +48,10 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
     check_logprobs(req.logprobs, "logprobs")
     check_logprobs(req.prompt_logprobs, "prompt_logprobs")
     prompts, texts = await _prompts(ctx, req.prompt)
+    spec = request_spec(req)
+    guided = await ctx.grammars.get(spec) if spec is not None else None
     params = [ctx.sampling_params(req, len(p), DEFAULT_MAX_TOKENS, "prompt", logprobs=req.logprobs,
-                                  prompt_logprobs=req.prompt_logprobs) for p in prompts]
+                                  prompt_logprobs=req.prompt_logprobs, guided=guided) for p in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     streams = []
     try:

@@ -16,6 +16,22 @@ class StreamOptions:
 
 
 @dataclass(slots=True)
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class StructuredOutputs:
+    """vLLM's structured_outputs: exactly one of these."""
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+@dataclass(slots=True)
 class SamplingFields:
     """Fields both endpoints share."""
     model: str | None = None
@@ -42,8 +58,13 @@ class SamplingFields:
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # structured output (vLLM's names; response_format is OpenAI's)
+    response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 @dataclass(slots=True)
@@ -94,12 +115,6 @@ class Tool:
 
 
 @dataclass(slots=True)
-class ResponseFormat:
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
-
-
-@dataclass(slots=True)
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] | None = None
     max_completion_tokens: int | None = None
@@ -108,7 +123,6 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -10,7 +10,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
+from rawserve.engine.guided.automaton import CompiledGrammar
 from rawserve.engine.async_llm import AsyncLLM, RequestStream, TextOutput
 from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from rawserve.errors import APIError, EngineDead, Overloaded
@@ -36,6 +38,11 @@ class ServingContext:
     reasoning_parser: str | None = None
     tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
+    grammars: GrammarCache = None  # type: ignore[assignment]  # built from the tokenizer when not given
+
+    def __post_init__(self) -> None:
+        if self.grammars is None:
+            self.grammars = GrammarCache(self.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -65,11 +72,8 @@ class ServingContext:
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, default_max_tokens: int | None,
                         prompt_param: str, *, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, guided: CompiledGrammar | None = None) -> SamplingParams:
         """Request fields -> SamplingParams with the checkpoint's defaults; a 400 naming the field if bad."""
-        if req.guided_json is not None or req.guided_regex is not None:
-            raise APIError(400, "Guided decoding (guided_json, guided_regex) is not supported by this server yet.",
-                           param="guided_json" if req.guided_json is not None else "guided_regex")
         if prompt_len >= self.max_model_len:
             raise self.context_exceeded(prompt_len, prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
@@ -110,7 +114,8 @@ class ServingContext:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed,
                 stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logit_bias=bias or None,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                guided=guided)
             params.validate(self.vocab_size)
         except ValueError as error:
             name, _, message = str(error).partition(": ")

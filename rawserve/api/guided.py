@@ -1,0 +1,182 @@
+"""Structured output fields -> one compiled grammar per request: response_format, forced tool calls,
+vLLM's guided_* and structured_outputs. Compiled off the event loop; a repeated grammar is a cache hit.
+
+Every bad schema, pattern or grammar is a 400 naming its field; the engine only ever sees grammars
+that compiled.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rawserve.engine.guided.automaton import CompiledGrammar, compile_grammar
+from rawserve.engine.guided.gbnf import check_grammar, parse_gbnf
+from rawserve.engine.guided.grammar import Grammar, GrammarError, Token, alt, lit
+from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
+from rawserve.engine.guided.regex import parse_regex
+from rawserve.engine.guided.tool_calls import tool_call_grammar
+from rawserve.errors import APIError
+from rawserve.text.tokenizer import Tokenizer
+
+MAX_SPEC_CHARS = 256 * 1024  # a schema, pattern or grammar's text; larger ones are refused
+MAX_CHOICES = 4096
+CACHE_SIZE = 256
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedSpec:
+    """What one request asks to be constrained by, before compiling: kind, its text, and the field."""
+    kind: str  # json | json_object | regex | choice | grammar | tools
+    text: str  # canonical JSON or the raw pattern/grammar; the cache key with the kind
+    param: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}\x00{self.text}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolForcing:
+    """tool_choice 'required' or a named function, as a grammar input."""
+    tools: tuple[tuple[str, str], ...]  # (name, parameters as JSON text or "")
+    parallel: bool
+    style: str
+
+
+def _json_text(value: object, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise APIError(400, f"{param} is not valid JSON: {error}", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise APIError(400, f"{param} must be a JSON Schema object.", param=param)
+    return json.dumps(value, ensure_ascii=False)  # key order kept: it is the output's property order
+
+
+def request_spec(req, *, tools: ToolForcing | None = None) -> GuidedSpec | None:
+    """The one constraint a chat or completion request carries (400 if it names more than one)."""
+    found: list[GuidedSpec] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            found.append(GuidedSpec("json_object", "", "response_format"))
+        else:
+            body = fmt.json_schema
+            if not isinstance(body, dict):
+                raise APIError(400, "response_format.json_schema is required when type is 'json_schema'.",
+                               param="response_format.json_schema")
+            if "schema" in body:
+                found.append(GuidedSpec("json", _json_text(body["schema"], "response_format.json_schema.schema"),
+                                        "response_format.json_schema.schema"))
+            else:  # OpenAI allows a schema-less entry: any JSON object
+                found.append(GuidedSpec("json_object", "", "response_format.json_schema"))
+    if req.guided_json is not None:
+        found.append(GuidedSpec("json", _json_text(req.guided_json, "guided_json"), "guided_json"))
+    if req.guided_regex is not None:
+        found.append(GuidedSpec("regex", req.guided_regex, "guided_regex"))
+    if req.guided_choice is not None:
+        found.append(GuidedSpec("choice", _choice_text(req.guided_choice, "guided_choice"), "guided_choice"))
+    if req.guided_grammar is not None:
+        found.append(GuidedSpec("grammar", req.guided_grammar, "guided_grammar"))
+    so = req.structured_outputs
+    if so is not None:
+        for kind in _STRUCTURED_KINDS:
+            value = getattr(so, kind)
+            if value is None or value is False:
+                continue
+            param = f"structured_outputs.{kind}"
+            if kind == "json":
+                found.append(GuidedSpec("json", _json_text(value, param), param))
+            elif kind == "json_object":
+                found.append(GuidedSpec("json_object", "", param))
+            elif kind == "choice":
+                found.append(GuidedSpec("choice", _choice_text(value, param), param))
+            else:
+                found.append(GuidedSpec(kind, value, param))
+    if tools is not None:
+        text = json.dumps([tools.style, tools.parallel, tools.tools], ensure_ascii=False)
+        found.append(GuidedSpec("tools", text, "tool_choice"))
+    if len(found) > 1:
+        names = ", ".join(s.param for s in found)
+        raise APIError(400, f"Only one structured output constraint may be given per request, got: {names}.",
+                       param=found[1].param)
+    spec = found[0] if found else None
+    if spec is not None and len(spec.text) > MAX_SPEC_CHARS:
+        raise APIError(400, f"{spec.param} is {len(spec.text)} characters; the limit is {MAX_SPEC_CHARS}.",
+                       param=spec.param)
+    return spec
+
+
+def _choice_text(choices: object, param: str) -> str:
+    if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in choices)):
+        raise APIError(400, f"{param} must be a list of 1 to {MAX_CHOICES} non-empty strings.", param=param)
+    return json.dumps(choices, ensure_ascii=False)
+
+
+def build_grammar(spec: GuidedSpec, tokenizer: Tokenizer) -> Grammar:
+    """The spec as a grammar (GrammarError if it cannot be one)."""
+    if spec.kind == "json":
+        return schema_to_grammar(json.loads(spec.text))
+    if spec.kind == "json_object":
+        return json_object_grammar()
+    if spec.kind == "regex":
+        return Grammar({"root": parse_regex(spec.text)})
+    if spec.kind == "choice":
+        return Grammar({"root": alt(*(lit(c) for c in json.loads(spec.text)))})
+    if spec.kind == "grammar":
+        grammar = parse_gbnf(spec.text, _added_token_id(tokenizer))
+        check_grammar(grammar)
+        return grammar
+    style, parallel, tools = json.loads(spec.text)
+    resolve = _added_token_id(tokenizer)
+    tags = [resolve(tag) for tag in ("<tool_call>", "</tool_call>")]
+    open_tag, close_tag = (Token(t) if t is not None else lit(text)
+                           for t, text in zip(tags, ("<tool_call>", "</tool_call>")))
+    return tool_call_grammar([(name, json.loads(params) if params else None) for name, params in tools],
+                             style=style, parallel=parallel, open_tag=open_tag, close_tag=close_tag)
+
+
+def _added_token_id(tokenizer: Tokenizer) -> Callable[[str], int | None]:
+    """Token text -> id, for added tokens only: those are matched by id, never spelled in bytes."""
+    def resolve(text: str) -> int | None:
+        token_id = tokenizer.token_to_id(text)
+        return token_id if token_id is not None and token_id in tokenizer.added_token_ids else None
+    return resolve
+
+
+class GrammarCache:
+    """Compiled grammars by spec, least recently used dropped first. One per server."""
+
+    def __init__(self, tokenizer: Tokenizer, capacity: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
+        return compile_grammar(build_grammar(spec, self.tokenizer), spec.key)
+
+    async def get(self, spec: GuidedSpec) -> CompiledGrammar:
+        compiled = self._compiled.get(spec.key)
+        if compiled is not None:
+            self.hits += 1
+            self._compiled.move_to_end(spec.key)
+            return compiled
+        self.misses += 1
+        try:  # in a thread even when short: `.{0,9999}` is short text and a large automaton
+            compiled = await asyncio.to_thread(self._compile, spec)
+        except GrammarError as error:
+            raise APIError(400, f"Invalid {spec.param}: {error}", param=spec.param) from None
+        except RecursionError:
+            raise APIError(400, f"Invalid {spec.param}: it is nested too deeply.", param=spec.param) from None
+        self._compiled[spec.key] = compiled
+        while len(self._compiled) > self.capacity:
+            self._compiled.popitem(last=False)
+        return compiled

@@ -1,0 +1,158 @@
+"""Guided decoding through EngineCore on a random-weight model with the real Qwen3 tokenizer: every output
+of many seeds matches its regex / validates against its schema; forced tool calls parse; unconstrained
+rows in the same batch are untouched; preemption changes nothing."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from rawserve.config import EngineConfig
+from rawserve.engine.core import EngineCore
+from rawserve.engine.guided.automaton import compile_grammar
+from rawserve.engine.guided.grammar import Grammar, Token, lit
+from rawserve.engine.guided.regex import parse_regex
+from rawserve.engine.types import SamplingParams
+from rawserve.text.tokenizer import Tokenizer
+
+jsonschema = pytest.importorskip("jsonschema")
+
+TOOL_CALL, TOOL_CALL_END = 151657, 151658
+WEATHER = {"type": "object", "properties": {"location": {"type": "string", "maxLength": 12},
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["location"], "additionalProperties": False}
+NESTED = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": -5, "maximum": 150},
+    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b\"c", "é"]}, "maxItems": 3},
+    "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "admin": {"type": "boolean"}},
+              "required": ["name", "admin"], "additionalProperties": False},
+    "score": {"anyOf": [{"type": "number"}, {"type": "null"}]}},
+    "required": ["id", "owner", "score"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def core(qwen3_real_tokenizer_dir):
+    return EngineCore(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=512,
+                                   max_model_len=1024))
+
+
+@pytest.fixture(scope="module")
+def tok(qwen3_real_tokenizer_dir):
+    return Tokenizer.from_dir(qwen3_real_tokenizer_dir)
+
+
+def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], str]]:
+    for rid, (ids, params) in requests.items():
+        core.add_request(rid, ids, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    reasons: dict[str, str] = {}
+    for _ in range(5000):
+        if not core.has_unfinished:
+            break
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert not core.has_unfinished and core.blocks.num_free_blocks == core.blocks.num_blocks
+    return {rid: (tokens[rid], reasons[rid]) for rid in requests}
+
+
+def text_of(tok: Tokenizer, ids: list[int]) -> str:
+    return tok.decode([i for i in ids if i not in (151645, 151643)])
+
+
+def test_regex_outputs_fully_match_across_seeds(core, tok):
+    pattern = r"(\d{3}-\d{4}|[α-ω]{2,4}|(cat|category|cattle)!?)"
+    compiled = compile_grammar(Grammar({"root": parse_regex(pattern)}), "re1")
+    prompt = tok.encode("Say something:")
+    outs = run(core, {f"r{s}": (prompt, SamplingParams(max_tokens=40, temperature=1.5, seed=s, guided=compiled))
+                      for s in range(24)})
+    for rid, (ids, reason) in outs.items():
+        assert reason == "stop", rid
+        assert re.fullmatch(pattern, text_of(tok, ids)), (rid, text_of(tok, ids))
+
+
+@pytest.mark.parametrize("schema", [WEATHER, NESTED], ids=["weather", "nested"])
+def test_schema_outputs_validate_across_seeds(core, tok, schema):
+    from rawserve.engine.guided.json_schema import schema_to_grammar
+
+    compiled = compile_grammar(schema_to_grammar(schema), json.dumps(schema))
+    prompt = tok.encode("JSON please:")
+    outs = run(core, {f"s{s}": (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=s, guided=compiled))
+                      for s in range(16)})
+    for rid, (ids, reason) in outs.items():
+        assert reason == "stop", (rid, text_of(tok, ids))
+        jsonschema.validate(json.loads(text_of(tok, ids)), schema)
+
+
+def test_required_tool_calls_parse_and_single_call_when_not_parallel(core, tok):
+    from rawserve.engine.guided.tool_calls import tool_call_grammar
+    from rawserve.text.parsers.hermes import HermesToolParser
+
+    tools = [("get_weather", WEATHER), ("no_args", None)]
+    prompt = tok.encode("Call a tool:")
+    for parallel in (True, False):
+        grammar = tool_call_grammar(tools, style="hermes", parallel=parallel, open_tag=Token(TOOL_CALL),
+                                    close_tag=Token(TOOL_CALL_END))
+        compiled = compile_grammar(grammar, f"tools-{parallel}")
+        outs = run(core, {f"t{parallel}{s}": (prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=s,
+                                                                      guided=compiled)) for s in range(12)})
+        num_stopped = 0
+        for rid, (ids, reason) in outs.items():
+            # A random model may go on adding parallel calls until max_tokens; one call always ends.
+            assert reason == "stop" or (parallel and reason == "length"), rid
+            num_stopped += reason == "stop"
+            closed = ids.count(TOOL_CALL_END)
+            assert closed >= 1 and ids.count(TOOL_CALL) - closed == (reason == "length")
+            if not parallel:
+                assert closed == 1
+            events = HermesToolParser().feed(text_of(tok, ids), final=True)
+            calls = [e for e in events if e[0] != "content"]
+            assert calls, text_of(tok, ids)
+            for block in text_of(tok, ids).split("<tool_call>")[1:1 + closed]:
+                call = json.loads(block.split("</tool_call>")[0])
+                assert call["name"] in ("get_weather", "no_args")
+                if call["name"] == "get_weather":
+                    jsonschema.validate(call["arguments"], WEATHER)
+                else:
+                    assert call["arguments"] == {}
+        assert num_stopped >= len(outs) // 2
+
+
+def test_unconstrained_rows_in_a_constrained_batch_are_untouched(core, tok):
+    compiled = compile_grammar(Grammar({"root": parse_regex(r"[0-9]{5}")}), "digits")
+    prompt = tok.encode("Numbers and words")
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = run(core, {"free": (prompt, free)})["free"][0]
+    mixed = run(core, {"free": (prompt, free),
+                       **{f"g{s}": (prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=s, guided=compiled))
+                          for s in range(6)}})
+    assert mixed["free"][0] == alone
+    for s in range(6):
+        assert re.fullmatch(r"[0-9]{5}", text_of(tok, mixed[f"g{s}"][0]))
+
+
+def test_greedy_guided_output_survives_preemption(qwen3_real_tokenizer_dir, tok):
+    compiled = compile_grammar(Grammar({"root": parse_regex(r"[a-z ]{100,120}\.")}), "words")
+    prompt = tok.encode("Once upon a time there was a")
+
+    def go(num_blocks: int) -> dict:
+        small = EngineCore(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", block_size=4,
+                                        num_kv_blocks=num_blocks, max_model_len=256))
+        outs = run(small, {f"p{i}": (prompt + [i + 100], SamplingParams(max_tokens=50, temperature=0,
+                                                                         guided=compiled)) for i in range(6)})
+        return outs, small.scheduler.num_preemptions
+
+    big, _ = go(256)
+    tight, preemptions = go(16)
+    assert preemptions > 0
+    assert tight == big
+
+
+def test_max_tokens_cuts_a_constrained_output_with_length(core, tok):
+    compiled = compile_grammar(Grammar({"root": lit("x" * 50)}), "long")
+    outs = run(core, {"cut": (tok.encode("go"), SamplingParams(max_tokens=3, temperature=0, guided=compiled))})
+    ids, reason = outs["cut"]
+    assert reason == "length" and len(ids) == 3 and ("x" * 50).startswith(text_of(tok, ids))
