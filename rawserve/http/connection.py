@@ -45,7 +45,7 @@ class Connection:
         self._transport = writer.transport
         self._loop = asyncio.get_running_loop()
         self._client = writer.get_extra_info("peername")
-        self.protocol = HTTPProtocol(config, dispatcher, self._loop.time, self._client)
+        self._protocol = HTTPProtocol(config, dispatcher, self._loop.time, self._client)
         self._task: asyncio.Task | None = None
         self._stop_reason: str | None = None
         self._expired: Close | None = None  # what the protocol said to do when its deadline passed
@@ -55,7 +55,7 @@ class Connection:
 
     async def run(self) -> None:
         self._task = asyncio.current_task()
-        protocol = self.protocol
+        protocol = self._protocol
         next_action, receive_data, read = protocol.next_action, protocol.receive_data, self._reader.read
         transport = self._transport
         write, buffered = transport.write, transport.get_write_buffer_size
@@ -118,9 +118,9 @@ class Connection:
 
     def tick(self, now: float) -> None:
         """Called by the server every TICK_S: carry out a deadline that passed."""
-        if now >= self.protocol.deadline:
+        if now >= self._protocol.deadline:
             if self._stop_reason is None:
-                self._expired = self.protocol.tick(now)
+                self._expired = self._protocol.tick(now)
                 self.stop(TIMED_OUT)
         elif now >= self._write_deadline:
             self._write_deadline = NEVER
@@ -128,7 +128,7 @@ class Connection:
 
     def peer_gone(self) -> None:
         """The transport saw EOF or a reset (StreamProtocol calls this)."""
-        if self.protocol.peer_gone():
+        if self._protocol.peer_gone():
             self.stop(CLIENT_GONE)
 
     async def _call(self, handler: Handler, request: Request) -> Response | sse.SSEResponse:

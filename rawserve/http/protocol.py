@@ -145,12 +145,12 @@ class HTTPProtocol:
         """Bytes from the peer, in order; b"" when it sent EOF."""
         phase = self.phase
         if data:
-            if phase is IDLE:
+            if phase is IDLE and not self._buffer:
                 self._start_head(data)
             elif phase is HEAD or phase is BODY or phase is DISCARD:
                 self._parser.receive_data(data)
             elif phase is not CLOSED:
-                self._buffer += data  # read ahead of the current response: the next request's
+                self._buffer += data  # read ahead of next_action(): the next request's bytes
             return
         self.is_peer_gone = self._has_input_ended = True
         if phase is BODY or phase is DISCARD:
@@ -183,12 +183,13 @@ class HTTPProtocol:
     def connection_closed(self) -> None:
         """The shell is done with the connection, whatever the phase: the books on an unfinished
         request are closed."""
-        if self.phase is not CLOSED or self._exchange is not None:
+        if self.phase is not CLOSED:
             self._shut(b"", linger=False)
 
     # --- output -----------------------------------------------------------------------------
 
     def next_action(self) -> Action:
+        """What the shell should do next; each call may move the phase on."""
         phase = self.phase
         if phase is HEAD:
             return self._next_head()
@@ -349,11 +350,9 @@ class HTTPProtocol:
 
     def _dispatch(self) -> Action:
         exchange = self._exchange
-        buffer = self._buffer
         # Without a body h11's EndOfMessage is certain; not asking for it saves a tenth of the parse.
-        buffer += self._parser.trailing_data[0]
-        if buffer and not exchange.keep_alive:
-            buffer.clear()  # bytes after a request that closes the connection are ignored
+        # (Bytes after a request that closes the connection are dropped by the close: _shut.)
+        self._buffer += self._parser.trailing_data[0]
         if self.is_peer_gone:  # the client left before its handler could start: it would run for no one
             return self._shut(b"", linger=False)
         self.phase = HANDLER

@@ -97,6 +97,15 @@ def test_pipelined_requests_are_dispatched_in_order_without_reading_again():
     assert protocol.next_action() is NEED_DATA and protocol.num_requests == 3
 
 
+def test_bytes_that_arrive_while_a_handler_runs_are_the_next_request():
+    protocol, _, _ = make()
+    assert feed(protocol, build_request("GET", "/a")).request.path == "/a"
+    protocol.receive_data(build_request("GET", "/b")[:20])  # read ahead, in pieces
+    protocol.receive_data(build_request("GET", "/b")[20:])
+    protocol.respond(JSONResponse({}))
+    assert protocol.next_action().request.path == "/b"
+
+
 def test_request_split_across_reads_is_reassembled():
     protocol, _, _ = make()
     data = build_request("POST", "/a", b"x" * 300)
