@@ -1,6 +1,5 @@
-"""The asyncio shell around one connection's HTTPProtocol: it owns the transport, the one task that
+"""The asyncio shell around one connection's HTTPProtocol: owns the transport, the one task that
 reads and runs handlers, the write timeout and lingering, and carries out the protocol's actions.
-
 Decides nothing about HTTP (protocol.py does) nor about routes (the Dispatcher it is lent does).
 """
 from __future__ import annotations

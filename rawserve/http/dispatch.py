@@ -1,8 +1,6 @@
 """What the server lends each connection, and nothing more: admission of a request head (draining,
-CORS, auth, routing) and the count of requests in flight that a graceful drain waits on.
-
-The server owns one Dispatcher; connections and their protocols hold it instead of the server, so
-neither module imports the other. It never touches a socket and never awaits.
+CORS, auth, routing) and the count of requests in flight that a graceful drain waits on. Connections
+hold this instead of the server, so neither module imports the other. No sockets, no awaits.
 """
 from __future__ import annotations
 

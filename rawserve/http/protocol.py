@@ -1,9 +1,8 @@
 """HTTP/1.1 for one connection as a sans-IO state machine: bytes and events in, actions out.
 
-Owns the rules of one exchange after another (limits, deadlines, keep-alive, pipelining,
-100-continue, answers given without a handler); owns no socket, task or timer, never awaits, and
-reads time only from the clock it is given. h11 only parses: a fresh h11.Connection per request
-(the bytes it did not consume carry over); response bytes are made by hand (messages.py).
+Owns limits, deadlines, keep-alive, pipelining, 100-continue and answers given without a handler;
+owns no socket, task or timer, never awaits, and reads time only from the clock it is given.
+h11 only parses, a fresh h11.Connection per request; response bytes are made by hand (messages.py).
 """
 from __future__ import annotations
 
