@@ -2,6 +2,7 @@
 down gracefully on SIGTERM/SIGINT (a second signal stops at once).
 
 Knows nothing of routes' meaning; the API layer hands it a Router and may watch `is_draining`.
+Connections get a Dispatcher (dispatch.py), never the server itself.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import orjson
 from rawserve.config import ServerConfig
 from rawserve.errors import APIError
 from rawserve.http.auth import APIKeyAuth
-from rawserve.http.connection import SHUTDOWN, Connection
+from rawserve.http.connection import SHUTDOWN, Connection, StreamProtocol
+from rawserve.http.dispatch import Dispatcher
 from rawserve.http.routing import CORSPolicy, Router
 
 logger = logging.getLogger("rawserve.http")
@@ -52,10 +54,9 @@ class HTTPServer:
         self.auth = APIKeyAuth(config.api_key)
         self.cors = CORSPolicy(config.allowed_origins)
         self.port: int | None = None
-        self.num_in_flight = 0  # requests between head and end of response
+        self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained)
         self._listener: asyncio.base_events.Server | None = None
-        self._connections: set[Connection] = set()
-        self._is_draining = False
+        self._connections: dict[Connection, asyncio.Task] = {}  # each with the task that serves it
         self._drain_callbacks: list[Callable[[], None]] = []
         self._drained: asyncio.Event | None = None  # set when draining and nothing is in flight
         self._stopped: asyncio.Future[int] | None = None
@@ -67,7 +68,12 @@ class HTTPServer:
 
     @property
     def is_draining(self) -> bool:
-        return self._is_draining
+        return self._dispatcher.is_draining
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests between their head and the end of their response."""
+        return self._dispatcher.num_in_flight
 
     @property
     def num_connections(self) -> int:
@@ -132,9 +138,9 @@ class HTTPServer:
             self._stopped.set_result(status)
 
     def _begin_drain(self) -> None:
-        if self._is_draining:
+        if self._dispatcher.is_draining:
             return
-        self._is_draining = True
+        self._dispatcher.is_draining = True
         if self._listener is not None:
             self._listener.close()  # stop accepting; open connections stay
         for callback in self._drain_callbacks:
@@ -161,10 +167,9 @@ class HTTPServer:
 
     async def _stop_connections(self) -> None:
         tasks = []
-        for connection in list(self._connections):
+        for connection, task in list(self._connections.items()):
             connection.stop(SHUTDOWN)
-            if connection._task is not None:
-                tasks.append(connection._task)
+            tasks.append(task)
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
             if pending:
@@ -184,7 +189,7 @@ class HTTPServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       protocol: StreamProtocol) -> None:
-        if self._is_draining or len(self._connections) >= self.config.max_connections:
+        if self._dispatcher.is_draining or len(self._connections) >= self.config.max_connections:
             await _refuse(reader, writer)
             return
         sock = writer.get_extra_info("socket")
@@ -193,15 +198,15 @@ class HTTPServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if isinstance(getattr(writer.transport, "max_size", None), int):  # selector transports
             writer.transport.max_size = _RECV_BYTES
-        connection = Connection(self, reader, writer)
+        connection = Connection(reader, writer, self.config, self._dispatcher)
         protocol.on_peer_gone = connection.peer_gone
-        self._connections.add(connection)
+        self._connections[connection] = asyncio.current_task()
         if self._ticker is None:
             self._ticker = asyncio.get_running_loop().call_later(TICK_S, self._tick)
-        await connection.run()
-
-    def _forget(self, connection: Connection) -> None:
-        self._connections.discard(connection)
+        try:
+            await connection.run()
+        finally:
+            del self._connections[connection]
 
     def _tick(self) -> None:
         if not self._connections:
@@ -213,32 +218,9 @@ class HTTPServer:
             connection.tick(now)
         self._ticker = loop.call_later(TICK_S, self._tick)
 
-    def _on_busy(self, is_busy: bool) -> None:
-        self.num_in_flight += 1 if is_busy else -1
-        if self.num_in_flight == 0 and self._is_draining and self._drained is not None:
+    def _on_drained(self) -> None:
+        if self._drained is not None:
             self._drained.set()
-
-
-class StreamProtocol(asyncio.StreamReaderProtocol):
-    """asyncio.start_server's protocol, which also tells the connection the moment the peer sends
-    EOF or vanishes. The transport reads whether or not anyone awaits the reader, so a client
-    leaving mid-handler is seen at once, with no task reading on the side."""
-
-    def __init__(self, reader: asyncio.StreamReader, accept: Callable, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(reader, lambda r, w: accept(r, w, self), loop=loop)
-        self.on_peer_gone: Callable[[], None] | None = None
-
-    def eof_received(self) -> bool:
-        keep_open = super().eof_received()
-        if self.on_peer_gone is not None:
-            self.on_peer_gone()
-        return keep_open
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        if self.on_peer_gone is not None:
-            self.on_peer_gone()
-            self.on_peer_gone = None  # the connection is done with; do not keep it alive
 
 
 async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

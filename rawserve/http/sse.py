@@ -2,8 +2,8 @@
 
 Owns the streaming loop over a handler's async iterator, writing straight to the connection's
 transport: chunked framing on HTTP/1.1, raw bytes on HTTP/1.0 (where the close ends the body).
-The connection owns the socket, the head, how long a drain may wait and whether the socket stays
-open afterwards.
+The connection owns the socket and how long a drain may wait; its protocol, the head and whether
+the socket stays open afterwards.
 """
 from __future__ import annotations
 

@@ -1,0 +1,61 @@
+"""What the server lends each connection, and nothing more: admission of a request head (draining,
+CORS, auth, routing) and the count of requests in flight that a graceful drain waits on. Connections
+hold this instead of the server, so neither module imports the other. No sockets, no awaits.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from rawserve.errors import APIError
+from rawserve.http.auth import APIKeyAuth
+from rawserve.http.messages import Request, RequestHead, Response, error_response
+from rawserve.http.routing import CORSPolicy, Handler, Router
+
+class Dispatcher:
+    """Admits requests for one server. `is_draining` is written by the server alone."""
+
+    __slots__ = ("router", "auth", "cors", "is_draining", "num_in_flight", "_on_drained")
+
+    def __init__(self, router: Router, auth: APIKeyAuth, cors: CORSPolicy,
+                 on_drained: Callable[[], None] | None = None) -> None:
+        self.router = router
+        self.auth = auth
+        self.cors = cors
+        self.is_draining = False
+        self.num_in_flight = 0  # requests between their head and the end of their response
+        self._on_drained = on_drained  # called when a drain is on and the last request ends
+
+    def admit(self, head: RequestHead, request: Request) -> tuple[Handler | Response, bytes]:
+        """The handler to run for `request`, or the answer to give without one (503 while
+        draining, a CORS preflight, 401, 404, 405); with the CORS lines its response owes.
+
+        Sets `request.api_key` and `request.path_params` when a handler is found. Everything
+        here is decided from the head alone, so a refusal goes out before any body is read.
+        """
+        cors = self.cors
+        cors_lines = b""
+        if head.origin is not None and cors.is_enabled:
+            cors_lines = cors.response_headers(head.origin)
+        try:
+            if self.is_draining:
+                raise APIError(503, "The server is shutting down.", code="server_shutting_down")
+            requested_method = head.headers.get("access-control-request-method") if cors.is_enabled else None
+            if cors.is_preflight(head.method, head.origin, requested_method):
+                # The preflight answer carries its own CORS lines.
+                return cors.preflight(self.router, head.path, head.origin, requested_method,
+                                      head.headers.get("access-control-request-headers")), b""
+            request.api_key = self.auth.check(head.path, head.headers)
+            handler, request.path_params = self.router.resolve(head.method, head.path)
+        except APIError as error:
+            return error_response(error), cors_lines
+        return handler, cors_lines
+
+    def begin(self) -> None:
+        """A request head arrived: one more request in flight."""
+        self.num_in_flight += 1
+
+    def end(self) -> None:
+        """A request's response ended (or its connection did)."""
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0 and self.is_draining and self._on_drained is not None:
+            self._on_drained()

@@ -1,0 +1,390 @@
+"""HTTP/1.1 for one connection as a sans-IO state machine: bytes and events in, actions out.
+
+Owns limits, deadlines, keep-alive, pipelining, 100-continue and answers given without a handler;
+owns no socket, task or timer, never awaits, and reads time only from the clock it is given.
+h11 only parses, a fresh h11.Connection per request; response bytes are made by hand (messages.py).
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Callable, Union
+
+import h11
+
+from rawserve.config import ServerConfig
+from rawserve.errors import APIError
+from rawserve.http.messages import Request, RequestHead, Response, encode_response, error_response
+from rawserve.http.sse import SSEResponse, encode_head
+
+if TYPE_CHECKING:
+    from rawserve.http.dispatch import Dispatcher
+    from rawserve.http.routing import Handler
+
+NEVER = float("inf")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Phase(enum.Enum):
+    """Where the connection is in its current exchange; each phase names its deadline, if any."""
+
+    IDLE = "idle"  # no byte of the next head yet; the deadline closes without a word
+    HEAD = "head"  # part of a head has arrived; the deadline answers 408
+    BODY = "body"  # reading the body of a request its handler will get; the deadline answers 408
+    DISCARD = "discard"  # reading, to drop, the small body of a request answered without a handler; 408
+    HANDLER = "handler"  # the shell runs the handler and owes respond() or start_stream()
+    SENDING = "sending"  # the shell has the response bytes and may still be draining them
+    STREAM = "stream"  # the shell writes an SSE body and owes end_stream()
+    CLOSED = "closed"  # a Close was returned; next_action() returns it again
+
+
+# Module globals: an identity test against one is cheaper than an Enum attribute lookup, and these
+# run a few times per request.
+IDLE, HEAD, BODY, DISCARD = Phase.IDLE, Phase.HEAD, Phase.BODY, Phase.DISCARD
+HANDLER, SENDING, STREAM, CLOSED = Phase.HANDLER, Phase.SENDING, Phase.STREAM, Phase.CLOSED
+
+
+class NeedData:
+    """Read more bytes and pass them to receive_data() (b"" when the peer sent EOF)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = NeedData()
+
+
+class Write:
+    """Write `data`, then ask for the next action: a 100 Continue, or an answer given without a
+    handler on a connection that stays open."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class Dispatch:
+    """Run `handler(request)`; give its Response to respond() or its SSEResponse to start_stream()."""
+
+    __slots__ = ("handler", "request")
+
+    def __init__(self, handler: Handler, request: Request) -> None:
+        self.handler = handler
+        self.request = request
+
+
+class Close:
+    """Write `data` (maybe nothing), then close. With `linger`, first half-close and read (and drop)
+    for a moment: the client's bytes still in flight must not make the kernel answer with a reset
+    that eats the response."""
+
+    __slots__ = ("data", "linger")
+
+    def __init__(self, data: bytes, linger: bool) -> None:
+        self.data = data
+        self.linger = linger
+
+    def __repr__(self) -> str:
+        return f"Close({self.data[:40]!r}, linger={self.linger})"
+
+
+Action = Union[NeedData, Write, Dispatch, Close]
+
+
+class _Exchange:
+    """One request, from its head to the end of its response; its existence is what counts as busy."""
+
+    __slots__ = ("head", "request", "cors_lines", "keep_alive", "is_head", "handler", "early", "is_continued",
+                 "body_parts", "body_size")
+
+    def __init__(self, head: RequestHead, request: Request, cors_lines: bytes) -> None:
+        self.head = head
+        self.request = request
+        self.cors_lines = cors_lines  # owed to every response this request gets
+        self.keep_alive = head.http_version == "1.1" and not head.wants_close  # narrowed as it goes
+        self.is_head = head.method == "HEAD"  # headers only, whatever the status
+        self.handler: Handler | None = None
+        self.early: Response | None = None  # the answer to send once a dropped body is read
+        self.is_continued = False  # a 100 Continue went out: the response has begun, no error can follow
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+
+
+class HTTPProtocol:
+    """One connection's HTTP/1.1, sans I/O.
+
+    The shell loops on `next_action()`: NEED_DATA, read and `receive_data()` (b"" at EOF); Write,
+    write; Dispatch, run the handler and pass its response to `respond()` (the bytes to write) or
+    `start_stream()` (the head; `end_stream()` after the body); Close, do it and stop. Beside the
+    loop: the shell's timer calls `tick(now)` once `deadline` passes and carries out the Close it
+    returns; `peer_gone()` when the transport sees EOF or a reset; `connection_closed()` at the end.
+    """
+
+    def __init__(self, config: ServerConfig, dispatcher: Dispatcher, clock: Callable[[], float],
+                 client: Any = None) -> None:
+        self._config = config
+        self._dispatcher = dispatcher
+        self._clock = clock
+        self._client = client  # the peer address, handed to each Request
+        self.phase = IDLE
+        self.deadline = NEVER  # on the clock's scale; armed only while waiting for bytes
+        self.num_requests = 0
+        self.is_peer_gone = False  # the transport saw EOF or a reset, maybe before we read every byte
+        self._has_input_ended = False  # we consumed the EOF itself: no byte will follow
+        self._parser: h11.Connection | None = None  # the current request's
+        self._buffer = bytearray()  # bytes past the current request (pipelined), not yet parsed
+        self._exchange: _Exchange | None = None
+        self._close: Close | None = None
+
+    # --- input ------------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Bytes from the peer, in order; b"" when it sent EOF."""
+        phase = self.phase
+        if data:
+            if phase is IDLE and not self._buffer:
+                self._start_head(data)
+            elif phase is HEAD or phase is BODY or phase is DISCARD:
+                self._parser.receive_data(data)
+            elif phase is not CLOSED:
+                self._buffer += data  # read ahead of next_action(): the next request's bytes
+            return
+        self.is_peer_gone = self._has_input_ended = True
+        if phase is BODY or phase is DISCARD:
+            self._parser.receive_data(b"")  # h11 then refuses the short body
+
+    def peer_gone(self) -> bool:
+        """The transport saw EOF or a reset. True when a handler or its response is in progress:
+        the shell must cancel it (that is what aborts its engine request). Otherwise the EOF
+        arrives through receive_data() after the bytes the client pipelined before leaving."""
+        self.is_peer_gone = True
+        phase = self.phase
+        return phase is HANDLER or phase is SENDING or phase is STREAM
+
+    def tick(self, now: float) -> Close | None:
+        """None before `deadline`; past it, the Close to carry out (the phase is then CLOSED)."""
+        if now < self.deadline:
+            return None
+        phase = self.phase
+        exchange = self._exchange
+        if phase is IDLE:  # nobody asked anything: a silent close
+            return self._shut(b"", linger=False)
+        if exchange is not None and exchange.is_continued:
+            return self._shut(b"", linger=False)  # the response has begun; a 408 cannot follow it
+        config = self._config
+        what, limit_s = ("headers", config.header_timeout_s) if phase is HEAD else ("body", config.body_timeout_s)
+        error = APIError(408, f"The request {what} did not arrive within {limit_s} s.", code="request_timeout")
+        # The client is still dribbling: linger, so that it gets to read the 408.
+        return self._shut(self._encode(error_response(error)), linger=True)
+
+    def connection_closed(self) -> None:
+        """The shell is done with the connection, whatever the phase: the books on an unfinished
+        request are closed."""
+        if self.phase is not CLOSED:
+            self._shut(b"", linger=False)
+
+    # --- output -----------------------------------------------------------------------------
+
+    def next_action(self) -> Action:
+        """What the shell should do next; each call may move the phase on."""
+        phase = self.phase
+        if phase is HEAD:
+            return self._next_head()
+        if phase is SENDING:  # the shell wrote (and drained) the response: the exchange is over
+            exchange = self._exchange
+            self._exchange = None
+            self._dispatcher.end()
+            if not exchange.keep_alive:
+                return self._shut(b"", linger=False)
+            self.phase = phase = IDLE
+        if phase is IDLE:
+            buffer = self._buffer
+            if buffer:
+                data = bytes(buffer)
+                buffer.clear()
+                self._start_head(data)
+                return self._next_head()
+            if self._has_input_ended:
+                return self._shut(b"", linger=False)
+            # The first request gets the header timeout, later ones keep-alive's.
+            config = self._config
+            self.deadline = self._clock() + (config.keep_alive_s if self.num_requests else config.header_timeout_s)
+            return NEED_DATA
+        if phase is BODY or phase is DISCARD:
+            return self._next_body()
+        if phase is CLOSED:
+            return self._close
+        raise RuntimeError(f"next_action() in phase {phase.name}: the shell owes respond(), start_stream() "
+                           "or end_stream()")
+
+    def respond(self, response: Response) -> bytes:
+        """The whole response to a dispatched request, to go out in one write."""
+        assert self.phase is HANDLER, self.phase
+        exchange = self._exchange
+        keep_alive = exchange.keep_alive = exchange.keep_alive and not self._dispatcher.is_draining
+        self.phase = SENDING
+        return encode_response(response, keep_alive, exchange.cors_lines, exchange.is_head)
+
+    def start_stream(self, response: SSEResponse) -> tuple[bytes, bool]:
+        """The head of a stream, and whether its body is chunked (HTTP/1.1; on 1.0 the close ends it)."""
+        assert self.phase is HANDLER, self.phase
+        exchange = self._exchange
+        is_chunked = exchange.head.http_version == "1.1"
+        keep_alive = exchange.keep_alive = exchange.keep_alive and not self._dispatcher.is_draining
+        self.phase = STREAM
+        return encode_head(response, is_chunked, keep_alive, exchange.cors_lines), is_chunked
+
+    def end_stream(self, is_clean: bool) -> None:
+        """The stream's body is written; one that ended in an error event closes the connection."""
+        assert self.phase is STREAM, self.phase
+        exchange = self._exchange
+        exchange.keep_alive = exchange.keep_alive and is_clean and not self._dispatcher.is_draining
+        self.phase = SENDING
+
+    # --- one request ------------------------------------------------------------------------
+
+    def _start_head(self, data: bytes) -> None:
+        parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes)
+        parser.receive_data(data)
+        self.phase = HEAD
+        self.deadline = NEVER  # the idle wait is over; the head's own starts if it is incomplete
+
+    def _next_head(self) -> Action:
+        try:
+            event = self._parser.next_event()
+        except h11.RemoteProtocolError as error:
+            return self._refuse(APIError(error.error_status_hint, f"Malformed request: {error}.", code="bad_request"))
+        if type(event) is h11.Request:
+            self.deadline = NEVER
+            return self._admit(event)
+        if self._has_input_ended:  # closed halfway through a head: nobody to answer
+            return self._shut(b"", linger=False)
+        if self.deadline == NEVER:
+            self.deadline = self._clock() + self._config.header_timeout_s
+        return NEED_DATA
+
+    def _admit(self, event: h11.Request) -> Action:
+        self.num_requests += 1
+        config = self._config
+        try:
+            head = RequestHead(event, config.max_header_bytes)
+        except APIError as error:
+            return self._refuse(error)
+        request = Request(head.method, head.path, head.query, head.headers, b"", head.http_version, self._client)
+        target, cors_lines = self._dispatcher.admit(head, request)
+        exchange = self._exchange = _Exchange(head, request, cors_lines)
+        self._dispatcher.begin()
+        has_body = head.is_chunked or bool(head.content_length)
+        # Every refusal decided from the head goes out before the body is read or a 100 Continue
+        # is sent: a body that will be refused is never invited.
+        if isinstance(target, Response):
+            return self._answer_early(target, has_body)
+        if head.content_length is not None and head.content_length > config.max_body_bytes:
+            return self._refuse(_too_large(head.content_length, config.max_body_bytes))
+        exchange.handler = target
+        if not has_body:
+            return self._dispatch()
+        self.phase = BODY
+        if head.expects_continue:
+            exchange.is_continued = True
+            return Write(CONTINUE)
+        return self._next_body()
+
+    def _answer_early(self, response: Response, has_body: bool) -> Action:
+        """Answer without a handler. The connection stays open only when the body is small and
+        already on its way (it is read and dropped); a client waiting for 100 Continue, or a large
+        or chunked body, gets a close instead."""
+        exchange = self._exchange
+        head = exchange.head
+        if not exchange.keep_alive or self._dispatcher.is_draining or (has_body and (
+                head.expects_continue or head.is_chunked or head.content_length > self._config.max_body_bytes)):
+            return self._shut(self._encode(response), linger=has_body)
+        exchange.early = response
+        if has_body:
+            self.phase = DISCARD
+            return self._next_body()
+        return self._send_early()
+
+    def _send_early(self) -> Write:
+        exchange = self._exchange
+        self._buffer += self._parser.trailing_data[0]
+        data = encode_response(exchange.early, True, exchange.cors_lines, exchange.is_head)
+        self._exchange = None
+        self._dispatcher.end()
+        self.phase = IDLE
+        return Write(data)
+
+    def _next_body(self) -> Action:
+        parser = self._parser
+        exchange = self._exchange
+        limit = self._config.max_body_bytes
+        while True:
+            try:
+                event = parser.next_event()
+            except h11.RemoteProtocolError as error:
+                return self._refuse(APIError(error.error_status_hint, f"Malformed request body: {error}.",
+                                             code="bad_request"))
+            kind = type(event)
+            if kind is h11.Data:
+                exchange.body_size += len(event.data)
+                if exchange.body_size > limit:  # chunked: counted as it arrives, refused at the first byte over
+                    return self._refuse(_too_large(exchange.body_size, limit, at_least=True))
+                exchange.body_parts.append(event.data)
+            elif kind is h11.EndOfMessage:
+                break
+            elif event is h11.NEED_DATA:
+                if self.deadline == NEVER:
+                    self.deadline = self._clock() + self._config.body_timeout_s
+                return NEED_DATA
+            else:
+                return self._refuse(APIError(400, "The request body ended unexpectedly.", code="bad_request"))
+        self.deadline = NEVER
+        if self.phase is DISCARD:
+            return self._send_early()
+        exchange.request.body = b"".join(exchange.body_parts)
+        exchange.body_parts = []
+        return self._dispatch()
+
+    def _dispatch(self) -> Action:
+        exchange = self._exchange
+        # Without a body h11's EndOfMessage is certain; not asking for it saves a tenth of the parse.
+        # (Bytes after a request that closes the connection are dropped by the close: _shut.)
+        self._buffer += self._parser.trailing_data[0]
+        if self.is_peer_gone:  # the client left before its handler could start: it would run for no one
+            return self._shut(b"", linger=False)
+        self.phase = HANDLER
+        return Dispatch(exchange.handler, exchange.request)
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def _refuse(self, error: APIError) -> Close:
+        """An error answered with the body (if any) unread; then a close, lingering."""
+        exchange = self._exchange
+        if exchange is not None and exchange.is_continued:
+            return self._shut(b"", linger=True)  # the response began with 100 Continue; only the close is left
+        return self._shut(self._encode(error_response(error)), linger=True)
+
+    def _encode(self, response: Response) -> bytes:
+        """`response` as the last one on this connection, for the current request if there is one."""
+        exchange = self._exchange
+        if exchange is None:
+            return encode_response(response, False)
+        return encode_response(response, False, exchange.cors_lines, exchange.is_head)
+
+    def _shut(self, data: bytes, linger: bool) -> Close:
+        if self._exchange is not None:
+            self._exchange = None
+            self._dispatcher.end()
+        self.phase = CLOSED
+        self.deadline = NEVER
+        self._parser = None
+        self._buffer.clear()
+        close = self._close = Close(data, linger and not self.is_peer_gone)
+        return close
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
+    return APIError(413, f"The request body is {'over ' if at_least else ''}{size} bytes; the limit is {limit}.",
+                    code="request_too_large")
