@@ -12,8 +12,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 from rawserve.api.protocol import ChatMessage, ChatRequest
-from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, merge, stream_error,
+from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
                                   wants_usage_chunk)
+from rawserve.engine.frontend.output_processor import TextOutput
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 from rawserve.text.chat_template import render_chat
@@ -108,31 +109,38 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
                             starts_in_reasoning=opened) for _ in streams]
     base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
+    tally = UsageTally([len(ids)], params.n)
     if req.stream:
-        return SSEResponse(_chunks(ctx, req, streams, parsers, base, UsageTally([len(ids)], params.n)))
+        return SSEResponse(_chunks(ctx, req, streams, parsers, base, tally))
+    return JSONResponse(await _response(ctx, req, streams, parsers, base, tally))
+
+
+def finish_reason(out: TextOutput, parser: OutputParser | None) -> str | None:
+    """A choice's finish_reason, decided once for streamed and whole responses: the engine's, or "tool_calls"
+    when the output parser found calls."""
+    return "tool_calls" if parser is not None and parser.has_tool_calls else out.finish_reason
+
+
+async def _response(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
+                    tally: UsageTally) -> dict:
+    """The whole (non-streamed) response: a fold over the same chunks a stream sends."""
     messages = [{"role": "assistant", "content": ""} for _ in streams]
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
-    tally = UsageTally([len(ids)], params.n)
-    try:
-        async for k, out in merge(streams):
-            for delta in parsers[k].feed(out.text, final=out.finished):
-                _accumulate(messages[k], delta)
-            entries[k] += out.logprobs or []
-            tally.add(k, out)
-            if out.finished:
-                reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
-                finish[k] = (reason, out.stop_reason)
-    except Exception as error:  # the engine's failure, shown to this client only
-        raise stream_error(error) from None
+    async for chunk in choice_chunks(streams, tally, parsers, finish_reason):
+        k, out = chunk.index, chunk.out
+        for delta in chunk.deltas:
+            _accumulate(messages[k], delta)
+        entries[k] += out.logprobs or []
+        if out.finished:
+            finish[k] = (chunk.finish_reason, out.stop_reason)
     choices = []
     for k, message in enumerate(messages):
         if message.get("tool_calls") and not message["content"]:
             message["content"] = None
         choices.append({"index": k, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, entries[k])
                         if req.logprobs else None, "finish_reason": finish[k][0], "stop_reason": finish[k][1]})
-    return JSONResponse({**base, "object": "chat.completion", "choices": choices,
-                         "usage": tally.usage()})
+    return {**base, "object": "chat.completion", "choices": choices, "usage": tally.usage()}
 
 
 def _accumulate(message: dict, delta: dict) -> None:
@@ -154,19 +162,15 @@ async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers:
     for k in range(len(streams)):
         yield {**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
-    try:
-        async for k, out in merge(streams):
-            tally.add(k, out)
-            lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
-            deltas = parsers[k].feed(out.text, final=out.finished) or ([{}] if lp else [])
-            for delta in deltas:
-                yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
-                lp = None
-            if out.finished:
-                reason = "tool_calls" if parsers[k].has_tool_calls else out.finish_reason
-                yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                            "stop_reason": out.stop_reason}]}
-    except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]
-        raise stream_error(error) from None
+    # After the 200 went out, an engine failure (an APIError from choice_chunks) becomes an SSE error event.
+    async for chunk in choice_chunks(streams, tally, parsers, finish_reason):
+        k, out = chunk.index, chunk.out
+        lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
+        for delta in chunk.deltas or ([{}] if lp else []):
+            yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+            lp = None
+        if out.finished:
+            yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None,
+                                        "finish_reason": chunk.finish_reason, "stop_reason": out.stop_reason}]}
     if wants_usage_chunk(req):
         yield {**base, "choices": [], "usage": tally.usage()}
