@@ -30,6 +30,7 @@ import orjson
 
 from rawserve.engine.core_loop import run_core
 from rawserve.engine.ipc import TRANSPORTS, make_channel
+from rawserve.engine.messages import MsgKind
 from rawserve.engine.types import AddRequest, EngineStats, RequestOutput, SamplingParams
 
 log = logging.getLogger("bench.ipc")
@@ -118,9 +119,9 @@ async def run_transport(transport: str, args: argparse.Namespace) -> dict:
     def handle(msgs: list) -> None:
         nonlocal steps_seen
         for kind, payload in msgs:
-            if kind == "ready":
+            if kind == MsgKind.READY:
                 ready.set_result(payload)
-            elif kind == "outputs":
+            elif kind == MsgKind.OUTPUTS:
                 for out in payload:
                     states[out.request_id].append(out)
                 steps_seen += 1
@@ -128,7 +129,7 @@ async def run_transport(transport: str, args: argparse.Namespace) -> dict:
                     latencies.append(time.monotonic_ns() - payload[0].num_cached_tokens)
                 if payload[0].finished and not done.done():
                     done.set_result(None)
-            elif kind == "stats":
+            elif kind == MsgKind.STATS:
                 cpu[payload.steps] = payload.extra["cpu_s"]
 
     def pump() -> None:
@@ -146,10 +147,10 @@ async def run_transport(transport: str, args: argparse.Namespace) -> dict:
     for i in range(args.streams):
         rid = f"cmpl-{i:032x}-0"
         states[rid] = collections.deque()
-        in_tx.send([("add", AddRequest(rid, list(range(16)), params))])
+        in_tx.send([(MsgKind.ADD, AddRequest(rid, list(range(16)), params))])
     await done
     await asyncio.sleep(0.2)  # the idle stats message carries the child's final CPU time
-    in_tx.send([("shutdown", None)])
+    in_tx.send([(MsgKind.SHUTDOWN, None)])
     in_tx.close()
     await asyncio.to_thread(child.join, 5)
     assert all(len(q) == args.steps + args.warmup for q in states.values()), "lost outputs"
@@ -164,7 +165,7 @@ async def run_transport(transport: str, args: argparse.Namespace) -> dict:
 
 async def run_async_llm(transport: str, args: argparse.Namespace) -> dict:
     """The real AsyncLLM: its pump, its hand-off into per-request state, N concurrent consumers."""
-    from rawserve.engine.async_llm import AsyncLLM
+    from rawserve.engine.frontend.async_llm import AsyncLLM
 
     llm = AsyncLLM(functools.partial(make_fake_core, args.step_ms / 1000), _byte_tokenizer(), mode="process",
                    transport=transport, max_pending=args.streams)
@@ -177,7 +178,7 @@ async def run_async_llm(transport: str, args: argparse.Namespace) -> dict:
         handle(msgs)
         now = time.monotonic_ns()
         for kind, payload in msgs:
-            if kind == "outputs":
+            if kind == MsgKind.OUTPUTS:
                 steps_seen += 1
                 if steps_seen > args.warmup:
                     latencies.append(now - payload[0].num_cached_tokens)

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The offline API imports torch; keep `import rawserve` cheap for the HTTP-only users.
     if name == "LLM":
-        from rawserve.engine.llm import LLM
+        from rawserve.engine.frontend.llm import LLM
 
         return LLM
     raise AttributeError(name)

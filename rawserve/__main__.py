@@ -26,7 +26,7 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--sample-seed", type=int, default=None, help="Seed of this request's sampling.")
     args = parser.parse_args(argv)
 
-    from rawserve.engine.llm import LLM
+    from rawserve.engine.frontend.llm import LLM
     from rawserve.engine.types import SamplingParams
     from rawserve.text.defaults import GenerationDefaults
 

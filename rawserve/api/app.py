@@ -13,8 +13,8 @@ from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
 from rawserve.api.serving import ServingContext
 from rawserve.config import EngineConfig, ServerConfig
-from rawserve.engine.async_llm import AsyncLLM
-from rawserve.engine.core import make_engine_core
+from rawserve.engine.frontend.async_llm import AsyncLLM
+from rawserve.engine.launch import CoreFactory
 from rawserve.http import HTTPServer, Router
 from rawserve.metrics import Metrics
 from rawserve.text.chat_template import load_chat_template
@@ -53,7 +53,8 @@ class OpenAIServer:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
         self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer)
-        self.llm = AsyncLLM(functools.partial(make_engine_core, engine_config), self.tokenizer,
+        # Named, not imported: the core (and torch) loads only in the core's thread or process.
+        self.llm = AsyncLLM(CoreFactory(engine_config), self.tokenizer,
                             mode=server_config.engine_mode, max_pending=server_config.max_pending,
                             request_timeout_s=server_config.request_timeout_s,
                             metrics=Metrics(self.model_name), model_name=self.model_name)

@@ -6,15 +6,17 @@ stream started go out as an SSE error event (http/sse.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from rawserve.api.guided import ToolForcing, request_spec
 from rawserve.api.protocol import ChatMessage, ChatRequest
-from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, merge, stream_error,
+from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
                                   wants_usage_chunk)
+from rawserve.engine.frontend.output_processor import TextOutput
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 from rawserve.text.chat_template import render_chat
@@ -81,17 +83,6 @@ def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
     return ToolForcing(tuple(tools), parallel, ctx.tool_call_parser)
 
 
-def finish_reason(out_reason: str | None, has_tool_calls: bool, forced: ToolForcing | None,
-                  named: bool) -> str | None:
-    """OpenAI's finish_reason: tool_calls when calls were parsed (stop for a named tool_choice); a
-    forced call cut short by max_tokens stays length."""
-    if out_reason == "length" and forced is not None:
-        return "length"
-    if has_tool_calls:
-        return "stop" if named else "tool_calls"
-    return out_reason
-
-
 def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
     """-> (prompt text, whether tool calls are parsed)."""
     if not req.messages:
@@ -130,7 +121,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
         req.max_tokens = req.max_completion_tokens
     text, use_tools = render_prompt(ctx, req)
     forced = tool_forcing(ctx, req)
-    named = isinstance(req.tool_choice, dict)
     spec = request_spec(req, tools=forced)
     guided = await ctx.grammars.get(spec) if spec is not None else None
     # The template already put BOS (or not) where the model wants it.
@@ -144,23 +134,38 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
                             starts_in_reasoning=opened) for _ in streams]
     base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
+    tally = UsageTally([len(ids)], params.n)
+    decide = functools.partial(finish_reason, forced=forced, named=isinstance(req.tool_choice, dict))
     if req.stream:
-        return SSEResponse(_chunks(ctx, req, streams, parsers, base, UsageTally([len(ids)], params.n), forced, named))
+        return SSEResponse(_chunks(ctx, req, streams, parsers, base, tally, decide))
+    return JSONResponse(await _response(ctx, req, streams, parsers, base, tally, decide, forced))
+
+
+def finish_reason(out: TextOutput, parser: OutputParser | None, *, forced: ToolForcing | None = None,
+                  named: bool = False) -> str | None:
+    """A choice's finish_reason, decided once for streamed and whole responses: the engine's, or "tool_calls"
+    when the output parser found calls ("stop" for a named tool_choice, as OpenAI); a forced call cut short by
+    max_tokens stays "length"."""
+    if forced is not None and out.finish_reason == "length":
+        return "length"
+    if parser is not None and parser.has_tool_calls:
+        return "stop" if named else "tool_calls"
+    return out.finish_reason
+
+
+async def _response(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
+                    tally: UsageTally, decide: Callable, forced: ToolForcing | None) -> dict:
+    """The whole (non-streamed) response: a fold over the same chunks a stream sends."""
     messages = [{"role": "assistant", "content": ""} for _ in streams]
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
-    tally = UsageTally([len(ids)], params.n)
-    try:
-        async for k, out in merge(streams):
-            for delta in parsers[k].feed(out.text, final=out.finished):
-                _accumulate(messages[k], delta)
-            entries[k] += out.logprobs or []
-            tally.add(k, out)
-            if out.finished:
-                reason = finish_reason(out.finish_reason, parsers[k].has_tool_calls, forced, named)
-                finish[k] = (reason, out.stop_reason)
-    except Exception as error:  # the engine's failure, shown to this client only
-        raise stream_error(error) from None
+    async for chunk in choice_chunks(streams, tally, parsers, decide):
+        k, out = chunk.index, chunk.out
+        for delta in chunk.deltas:
+            _accumulate(messages[k], delta)
+        entries[k] += out.logprobs or []
+        if out.finished:
+            finish[k] = (chunk.finish_reason, out.stop_reason)
     choices = []
     for k, message in enumerate(messages):
         if forced is not None and finish[k][0] == "length":  # a forced call cut short is no call
@@ -169,8 +174,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
             message["content"] = None
         choices.append({"index": k, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, entries[k])
                         if req.logprobs else None, "finish_reason": finish[k][0], "stop_reason": finish[k][1]})
-    return JSONResponse({**base, "object": "chat.completion", "choices": choices,
-                         "usage": tally.usage()})
+    return {**base, "object": "chat.completion", "choices": choices, "usage": tally.usage()}
 
 
 def _accumulate(message: dict, delta: dict) -> None:
@@ -187,24 +191,20 @@ def _accumulate(message: dict, delta: dict) -> None:
 
 
 async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
-                  tally: UsageTally, forced: ToolForcing | None, named: bool) -> AsyncIterator[dict]:
+                  tally: UsageTally, decide: Callable) -> AsyncIterator[dict]:
     base = {**base, "object": "chat.completion.chunk"}
     for k in range(len(streams)):
         yield {**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
-    try:
-        async for k, out in merge(streams):
-            tally.add(k, out)
-            lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
-            deltas = parsers[k].feed(out.text, final=out.finished) or ([{}] if lp else [])
-            for delta in deltas:
-                yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
-                lp = None
-            if out.finished:
-                reason = finish_reason(out.finish_reason, parsers[k].has_tool_calls, forced, named)
-                yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                            "stop_reason": out.stop_reason}]}
-    except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]
-        raise stream_error(error) from None
+    # After the 200 went out, an engine failure (an APIError from choice_chunks) becomes an SSE error event.
+    async for chunk in choice_chunks(streams, tally, parsers, decide):
+        k, out = chunk.index, chunk.out
+        lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
+        for delta in chunk.deltas or ([{}] if lp else []):
+            yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+            lp = None
+        if out.finished:
+            yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None,
+                                        "finish_reason": chunk.finish_reason, "stop_reason": out.stop_reason}]}
     if wants_usage_chunk(req):
         yield {**base, "choices": [], "usage": tally.usage()}

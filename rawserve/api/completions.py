@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 
 from rawserve.api.guided import request_spec
 from rawserve.api.protocol import CompletionRequest
-from rawserve.api.serving import (ServingContext, UsageTally, check_logprobs, completion_logprobs, merge,
-                                  stream_error, wants_usage_chunk)
+from rawserve.api.serving import (ServingContext, UsageTally, check_logprobs, choice_chunks, completion_logprobs,
+                                  wants_usage_chunk)
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 
@@ -70,21 +70,24 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
         echo = [decoded[k // n] for k in range(len(streams))]
     if req.stream:
         return SSEResponse(_chunks(ctx, req, streams, base, echo, tally))
+    return JSONResponse(await _response(ctx, req, streams, base, echo, tally))
+
+
+async def _response(ctx: ServingContext, req: CompletionRequest, streams: list, base: dict, echo: list[str],
+                    tally: UsageTally) -> dict:
+    """The whole (non-streamed) response: a fold over the same chunks a stream sends."""
     text = list(echo)
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
     prompt_lps: list = [None] * len(streams)
-    try:
-        async for k, out in merge(streams):
-            text[k] += out.text
-            entries[k] += out.logprobs or []
-            if out.prompt_logprobs is not None:
-                prompt_lps[k] = out.prompt_logprobs
-            tally.add(k, out)
-            if out.finished:
-                finish[k] = (out.finish_reason, out.stop_reason)
-    except Exception as error:  # the engine's failure, shown to this client only
-        raise stream_error(error) from None
+    async for chunk in choice_chunks(streams, tally):
+        k, out = chunk.index, chunk.out
+        text[k] += out.text
+        entries[k] += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            prompt_lps[k] = out.prompt_logprobs
+        if out.finished:
+            finish[k] = (chunk.finish_reason, out.stop_reason)
     choices = []
     for k in range(len(streams)):
         choice = {"index": k, "text": text[k],
@@ -94,7 +97,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = _prompt_logprobs(ctx, prompt_lps[k])
         choices.append(choice)
-    return JSONResponse({**base, "choices": choices, "usage": tally.usage()})
+    return {**base, "choices": choices, "usage": tally.usage()}
 
 
 def _prompt_logprobs(ctx: ServingContext, entries: list | None) -> list | None:
@@ -122,20 +125,17 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list, ba
     for k, prefix in enumerate(echo):
         if prefix:
             yield {**base, "choices": [{"index": k, "text": prefix, "logprobs": None, "finish_reason": None}]}
-    try:
-        async for k, out in merge(streams):
-            tally.add(k, out)
-            lp = None
-            if req.logprobs is not None and out.logprobs:
-                lp = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[k])
-            offsets[k] += len(out.text)
-            if out.text or lp is not None or out.finished:
-                choice = {"index": k, "text": out.text, "logprobs": lp,
-                          "finish_reason": out.finish_reason if out.finished else None}
-                if out.finished:
-                    choice["stop_reason"] = out.stop_reason
-                yield {**base, "choices": [choice]}
-    except Exception as error:  # after the 200 went out: an SSE error event, then [DONE]
-        raise stream_error(error) from None
+    # After the 200 went out, an engine failure (an APIError from choice_chunks) becomes an SSE error event.
+    async for chunk in choice_chunks(streams, tally):
+        k, out = chunk.index, chunk.out
+        lp = None
+        if req.logprobs is not None and out.logprobs:
+            lp = completion_logprobs(ctx.tokenizer, out.logprobs, offsets[k])
+        offsets[k] += len(out.text)
+        if out.text or lp is not None or out.finished:
+            choice = {"index": k, "text": out.text, "logprobs": lp, "finish_reason": chunk.finish_reason}
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
+            yield {**base, "choices": [choice]}
     if wants_usage_chunk(req):
         yield {**base, "choices": [], "usage": tally.usage()}

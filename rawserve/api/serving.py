@@ -1,26 +1,32 @@
 """What both OpenAI endpoints share: the serving context, request fields -> SamplingParams, admission,
-fan-out of n samples and the merge of their streams, usage and logprobs in OpenAI's shapes.
+fan-out of n samples, the one loop over their merged streams, usage and logprobs in OpenAI's shapes.
 
-Every refusal here is an APIError raised before a response header is sent.
+Every refusal here is an APIError raised before a response header is sent. The rules themselves are the
+engine's (SamplingParams.validate, engine/rules.py); this layer translates their errors into OpenAI's shape.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
+from rawserve.engine import rules
+from rawserve.engine.frontend.async_llm import AsyncLLM, RequestStream, TextOutput
 from rawserve.engine.guided.automaton import CompiledGrammar
-from rawserve.engine.async_llm import AsyncLLM, RequestStream, TextOutput
 from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from rawserve.errors import APIError, EngineDead, Overloaded
 from rawserve.text.defaults import GenerationDefaults
+from rawserve.text.parsers import OutputParser
+from rawserve.text.stop import normalize_stop
 from rawserve.text.tokenizer import RELEASE_GIL_AT, Tokenizer, TooManyTokens
 
 # Per-request bounds on work done for every generated token (stop-string scans on the event loop,
-# bias tensors in the core): without them one request could slow every other stream.
+# bias tensors in the core): without them one request could slow every other stream. Server policy,
+# so the API owns them; the offline LLM has no other streams to protect.
+MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024
@@ -52,7 +58,7 @@ class ServingContext:
     async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None) -> list[int]:
         """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its
         field), one that leaves no room for a completion is refused without building its ids."""
-        limit = None if prompt_param is None else self.max_model_len - 1
+        limit = None if prompt_param is None else rules.max_prompt_tokens(self.max_model_len)
         try:
             if len(text) > RELEASE_GIL_AT:  # in a thread, so the loop keeps serving others
                 return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens, limit)
@@ -74,16 +80,19 @@ class ServingContext:
                         prompt_param: str, *, logprobs: int | None = None,
                         prompt_logprobs: int | None = None, guided: CompiledGrammar | None = None) -> SamplingParams:
         """Request fields -> SamplingParams with the checkpoint's defaults; a 400 naming the field if bad."""
-        if prompt_len >= self.max_model_len:
+        if prompt_len > rules.max_prompt_tokens(self.max_model_len):
             raise self.context_exceeded(prompt_len, prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
         if max_tokens is None:
-            max_tokens = self.max_model_len - prompt_len
-        if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
-                                "completion.", param="max_tokens", code="context_length_exceeded")
+            max_tokens = rules.default_max_tokens(prompt_len, self.max_model_len)
+        if isinstance(max_tokens, int) and max_tokens >= 1:  # else SamplingParams names max_tokens below
+            try:
+                rules.check_context(prompt_len, max_tokens, self.max_model_len)
+            except rules.ContextTooLong:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                    f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                                    f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                                    "completion.", param="max_tokens", code="context_length_exceeded") from None
         d = self.defaults
 
         def pick(value, default, fallback):
@@ -92,8 +101,11 @@ class ServingContext:
         if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:
             raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(req.logit_bias)}.",
                            param="logit_bias")
-        stop_list = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        if len(stop_list) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop_list):
+        try:
+            stop = normalize_stop(req.stop)
+        except ValueError as error:
+            raise APIError(400, str(error), param="stop") from None
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise APIError(400, f"stop may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
                                 "characters each.", param="stop")
         try:
@@ -101,7 +113,6 @@ class ServingContext:
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids (integers as strings).",
                            param="logit_bias") from None
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         stop_ids = tuple(req.stop_token_ids or ())
         if not req.ignore_eos:
             stop_ids += tuple(i for i in d.eos_token_ids if i not in stop_ids)
@@ -116,22 +127,24 @@ class ServingContext:
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logit_bias=bias or None,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 guided=guided)
-            params.validate(self.vocab_size)
+            rules.check_params_vocab(params, self.vocab_size)  # the field rules ran as it was built
         except ValueError as error:
             name, _, message = str(error).partition(": ")
             raise APIError(400, str(error), param=name if message else None) from None
-        if params.n > 128:
-            raise APIError(400, f"n must be at most 128, got {params.n}.", param="n")
+        if params.n > MAX_N:
+            raise APIError(400, f"n must be at most {MAX_N}, got {params.n}.", param="n")
         return params
 
     def check_prompt_ids(self, ids: Sequence[int], param: str) -> None:
-        if not ids:
-            raise APIError(400, "The prompt is empty.", param=param)
-        if min(ids) >= 0 and max(ids) < self.vocab_size:  # C-level; the scan below only finds the culprit
-            return
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", param=param)
+        try:
+            rules.check_prompt_ids(ids, self.vocab_size, param)
+        except rules.EmptyPrompt:
+            raise APIError(400, "The prompt is empty.", param=param) from None
+        except rules.TokenOutOfVocab as error:
+            raise APIError(400, f"Token id {error.token_id} is out of vocabulary (size {self.vocab_size}).",
+                           param=param) from None
+        except rules.RuleError as error:
+            raise APIError(400, str(error), param=param) from None
 
     def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
                       req: SamplingFields) -> list[RequestStream]:
@@ -139,14 +152,14 @@ class ServingContext:
 
         Admission is all-or-nothing: a refusal part-way aborts the streams already started.
         """
-        if self.llm.num_in_flight + len(prompts) * params.n > self.llm.max_pending:
-            raise overloaded(Overloaded(f"{self.llm.num_in_flight} requests in flight; this one needs "
-                                        f"{len(prompts) * params.n} more (max_pending={self.llm.max_pending})"))
+        try:
+            self.llm.check_capacity(len(prompts) * params.n)
+        except Overloaded as error:
+            raise overloaded(error) from None
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                for j in range(params.n):
-                    child = params.child(j) if params.n > 1 else params
+                for j, child in enumerate(rules.samples(params)):
                     streams.append(self.llm.generate(ids, child, f"{rid}-{i}-{j}", req.priority,
                                                      cache_salt=req.cache_salt))
         except (Overloaded, EngineDead) as error:
@@ -210,6 +223,37 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, TextOu
             future.cancel()
         for stream in streams:
             await stream.aclose()
+
+
+@dataclass(slots=True)
+class ChoiceChunk:
+    """One output of one choice, as every response renders it: counted, parsed, its finish reason decided."""
+    index: int  # the choice: prompt * n + sample
+    out: TextOutput
+    deltas: list[dict] | None  # the output parser's message deltas; None without parsers (completions)
+    finish_reason: str | None  # set on the choice's final chunk
+
+
+async def choice_chunks(streams: list[RequestStream], tally: UsageTally, parsers: list[OutputParser] | None = None,
+                        finish_reason: Callable[[TextOutput, OutputParser | None], str | None] | None = None
+                        ) -> AsyncIterator[ChoiceChunk]:
+    """The loop every response runs, streamed or not: merge -> tally -> parse -> finish.
+
+    A streamed response renders each chunk as SSE events; a whole one folds them. `finish_reason(out, parser)`
+    decides a choice's finish_reason from its final output (default: the engine's). An engine failure comes
+    out as the APIError its client sees.
+    """
+    try:
+        async for k, out in merge(streams):
+            tally.add(k, out)
+            parser = parsers[k] if parsers is not None else None
+            deltas = parser.feed(out.text, final=out.finished) if parser is not None else None
+            reason = None
+            if out.finished:
+                reason = finish_reason(out, parser) if finish_reason is not None else out.finish_reason
+            yield ChoiceChunk(k, out, deltas, reason)
+    except Exception as error:  # the engine's failure: a 4xx/5xx before the header, an SSE error event after
+        raise stream_error(error) from None
 
 
 class UsageTally:

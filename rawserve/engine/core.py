@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-from array import array
 
 import torch
 
@@ -16,11 +15,10 @@ from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.model_runner import ModelRunner, StepInput
 from rawserve.engine.request import Request
+from rawserve.engine.rules import check_request
 from rawserve.engine.sampler import Sampler, token_logprobs
 from rawserve.engine.scheduler import Scheduler
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
-
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
 class EngineCore:
@@ -78,30 +76,10 @@ class EngineCore:
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
-        if not prompt_ids:
-            raise ValueError("prompt: must hold at least one token")
-        try:
-            ids = array("q", prompt_ids)  # one C pass: rejects non-integers
-        except (TypeError, OverflowError):
-            raise ValueError("prompt: token ids must be integers") from None
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary (size {self.vocab_size})")
-        for name, token_ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
-            # validate() compares ids with ints; a str key would raise TypeError, which the loop treats as fatal.
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
-                raise ValueError(f"{name}: token ids must be integers")
-        params.validate(self.vocab_size)
-        if params.n != 1:
-            raise ValueError(f"n: the engine core runs one sample per request, got n={params.n}; "
-                             "submit params.child(j) for each of the n samples")
-        if params.seed is not None and not _SEED_MIN <= params.seed <= _SEED_MAX:
-            raise ValueError(f"seed: must fit in 64 bits, got {params.seed}")
-        num_prompt = len(prompt_ids)
-        total = num_prompt + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: the prompt's {num_prompt} tokens plus max_tokens {params.max_tokens} "
-                             f"make {total}, more than max_model_len ({self.max_model_len})")
+        # The frontend checked these rules already; the core checks again with the same owner (engine/rules.py),
+        # since a rule broken here would corrupt shared state (a TypeError inside step() is fatal).
+        check_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        total = len(prompt_ids) + params.max_tokens
         # The last sampled token is never fed back, so the KV holds at most total - 1 tokens.
         needed = self.blocks.blocks_for(total - 1)
         if needed > self.blocks.num_blocks:

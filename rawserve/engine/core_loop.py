@@ -1,7 +1,7 @@
 """The engine core's loop: take messages, step, send outputs; in a thread or a spawned process.
 
-It owns the core side of the protocol: in add / abort / shutdown; out ready / outputs / error / fatal /
-stats / queued. It must not import asyncio, text or the server: a spawned core loads only the engine.
+It owns the core side of the protocol (engine/messages.py): in ADD / ABORT / SHUTDOWN; out READY / OUTPUTS /
+ERROR / FATAL / STATS / QUEUED. It must not import asyncio, text or the server: a spawned core loads only the engine.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rawserve.engine.ipc import Message, Receiver, Sender
+from rawserve.engine.ipc import Receiver, Sender
+from rawserve.engine.messages import Message, MsgKind
 
 log = logging.getLogger("rawserve.engine.core_loop")
 
@@ -40,28 +41,28 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
     with `error`. Any other exception from the core is `fatal` and ends the loop: block tables and
     computed-token counts may be inconsistent, and serving on risks one request reading another's KV.
 
-    Out: ("ready", {max_model_len, num_blocks, vocab_size, pid}), ("outputs", [RequestOutput]) once per
-    step, ("error", (rid, message)), ("fatal", message), ("stats", EngineStats) every stats_interval_s
-    while busy and whenever the core goes idle, ("queued", [(rid, seconds)]) when requests are first
-    scheduled. Several go out in one send.
+    Out (MsgKind): READY {max_model_len, num_blocks, vocab_size, pid}, OUTPUTS [RequestOutput] once per
+    step, ERROR (rid, message), FATAL message, STATS EngineStats every stats_interval_s while busy and
+    whenever the core goes idle, QUEUED [(rid, seconds)] when requests are first scheduled. Several go
+    out in one send.
     """
     try:
         try:
             core = factory()
         except Exception as error:  # noqa: BLE001 - reported to the frontend; start() raises it
             log.exception("engine core failed to start")
-            _send(outputs, [("fatal", f"engine failed to start: {error!r}")])
+            _send(outputs, [(MsgKind.FATAL, f"engine failed to start: {error!r}")])
             return
-        _send(outputs, [("ready", {"max_model_len": core.max_model_len, "num_blocks": core.num_blocks,
-                                   "vocab_size": core.vocab_size, "pid": os.getpid()}),
-                        ("stats", core.stats())])
+        _send(outputs, [(MsgKind.READY, {"max_model_len": core.max_model_len, "num_blocks": core.num_blocks,
+                                          "vocab_size": core.vocab_size, "pid": os.getpid()}),
+                        (MsgKind.STATS, core.stats())])
         _serve(core, inputs, outputs, stats_interval_s)
     except _FrontendGone as error:
         log.warning("engine frontend is gone (%s); core loop exits", error)
     except Exception as error:  # noqa: BLE001 - a fault outside step() (stats, transport): every request sees it
         log.exception("engine core loop failed")
         try:
-            outputs.send([("fatal", f"engine core loop failed: {error!r}")])
+            outputs.send([(MsgKind.FATAL, f"engine core loop failed: {error!r}")])
         except OSError:
             pass
     finally:
@@ -80,7 +81,7 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
     while True:
         is_busy = core.has_unfinished
         if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
-            _send(outputs, [("stats", core.stats())])
+            _send(outputs, [(MsgKind.STATS, core.stats())])
             last_stats = time.monotonic()
         was_busy = is_busy
         try:
@@ -92,27 +93,27 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             return
         replies: list[Message] = []
         for kind, payload in msgs:
-            if kind == "shutdown":
+            if kind == MsgKind.SHUTDOWN:
                 _send(outputs, replies)
                 return
-            if kind == "add":
+            if kind == MsgKind.ADD:
                 try:
                     core.add_request(payload.rid, payload.prompt_ids, payload.params, payload.priority,
                                      lora=payload.lora, features=payload.features, cache_salt=payload.cache_salt)
                     queue_times.added(payload.rid)
                 except ValueError as error:  # rejected: this request fails alone
-                    replies.append(("error", (payload.rid, str(error))))
+                    replies.append((MsgKind.ERROR, (payload.rid, str(error))))
                 except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
                     log.exception("engine core failed in add_request")
-                    _send(outputs, [*replies, ("fatal", f"engine add_request failed: {error!r}")])
+                    _send(outputs, [*replies, (MsgKind.FATAL, f"engine add_request failed: {error!r}")])
                     return
-            elif kind == "abort":
+            elif kind == MsgKind.ABORT:
                 queue_times.aborted(payload)
                 try:
                     core.abort_request(payload)
                 except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
                     log.exception("engine core failed in abort_request")
-                    _send(outputs, [*replies, ("fatal", f"engine abort_request failed: {error!r}")])
+                    _send(outputs, [*replies, (MsgKind.FATAL, f"engine abort_request failed: {error!r}")])
                     return
             else:
                 log.error("core loop ignores unknown message kind %r", kind)
@@ -123,17 +124,17 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             step_started = time.monotonic()
             step_outputs = core.step()
             if step_outputs:
-                replies.append(("outputs", step_outputs))
+                replies.append((MsgKind.OUTPUTS, step_outputs))
             queued = queue_times.scheduled(step_started)
             if queued:
-                replies.append(("queued", queued))
+                replies.append((MsgKind.QUEUED, queued))
             now = time.monotonic()
             if now - last_stats >= stats_interval_s:
-                replies.append(("stats", core.stats()))
+                replies.append((MsgKind.STATS, core.stats()))
                 last_stats = now
         except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
             log.exception("engine core step failed")
-            _send(outputs, [*replies, ("fatal", f"engine step failed: {error!r}")])
+            _send(outputs, [*replies, (MsgKind.FATAL, f"engine step failed: {error!r}")])
             return
         was_busy = True  # it stepped: report stats when it next finds itself idle
         _send(outputs, replies)

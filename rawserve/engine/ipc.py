@@ -2,7 +2,7 @@
 
 Owns the wire: "pipe" (default; one pickle-5 frame of compact tuples per send over an os pipe),
 "queue" (multiprocessing.Queue, the baseline) and "local" (thread mode). It knows no asyncio and
-no engine logic. Messages are (kind, payload) tuples of engine/types.py objects.
+no engine logic. Messages are (MsgKind, payload) tuples of engine/types.py objects (engine/messages.py).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from dataclasses import fields
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
+from rawserve.engine.messages import Message, MsgKind
 from rawserve.engine.types import AddRequest, RequestOutput
 
-Message = tuple[str, Any]
 TRANSPORTS = ("pipe", "queue")
 
 _EOF = ("__eof__", None)  # posted by close() where the transport has no end-of-file of its own
@@ -53,9 +53,9 @@ def encode(msgs: list[Message]) -> bytes:
     ~400 us that way and ~60 us as plain tuples, so outputs and adds travel as tuples."""
     wire = []
     for kind, payload in msgs:
-        if kind == "outputs":
+        if kind == MsgKind.OUTPUTS:
             payload = [_out_tuple(out) for out in payload]
-        elif kind == "add":
+        elif kind == MsgKind.ADD:
             payload = _add_tuple(payload)
         wire.append((kind, payload))
     return pickle.dumps(wire, protocol=5)
@@ -64,9 +64,9 @@ def encode(msgs: list[Message]) -> bytes:
 def decode(data: bytes) -> list[Message]:
     msgs = pickle.loads(data)
     for i, (kind, payload) in enumerate(msgs):
-        if kind == "outputs":
+        if kind == MsgKind.OUTPUTS:
             msgs[i] = (kind, [RequestOutput(*row) for row in payload])
-        elif kind == "add":
+        elif kind == MsgKind.ADD:
             msgs[i] = (kind, AddRequest(*payload))
     return msgs
 

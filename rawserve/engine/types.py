@@ -4,13 +4,16 @@ Small picklable slots dataclasses of ids, numbers and strings. No tensors, token
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import hashlib
 from dataclasses import dataclass, field
 
 from rawserve.engine.guided.automaton import CompiledGrammar
+from rawserve.engine.rules import check_params_vocab
+from rawserve.text.stop import normalize_stop
 
 MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 # One token's logprobs: (token_id, logprob, rank, ((top_id, top_logprob), ...)).
 # rank is 1 for the most likely token. The distribution is the model's raw log-softmax over the
@@ -43,16 +46,18 @@ class SamplingParams:
     guided: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
+        self.stop = normalize_stop(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field. With vocab_size, also check token ids against it."""
+        """Raise ValueError naming the field. With vocab_size, also check token ids against it.
+
+        The owner of every rule a field obeys on its own; rules that need the engine's numbers are
+        engine/rules.py's. Runs at construction, and again in the core (params may change after it).
+        """
         def bad(name: str, message: str) -> None:
             raise ValueError(f"{name}: {message}")
 
@@ -89,9 +94,8 @@ class SamplingParams:
             bad("guided", f"must be a CompiledGrammar, got {type(self.guided).__name__}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "each stop string must be a non-empty string")
-        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+        normalize_stop(self.stop)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             bad("seed", f"must fit in 64 bits, got {self.seed}")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", "each stop token id must be an integer")
@@ -104,12 +108,7 @@ class SamplingParams:
                 if not -100 <= bias <= 100:
                     bad("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
         if vocab_size is not None:
-            for token_id in (self.logit_bias or {}):
-                if not 0 <= token_id < vocab_size:
-                    bad("logit_bias", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
-            for token_id in self.stop_token_ids:
-                if not 0 <= token_id < vocab_size:
-                    bad("stop_token_ids", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
+            check_params_vocab(self, vocab_size)
 
     @property
     def is_greedy(self) -> bool:
@@ -119,13 +118,17 @@ class SamplingParams:
         """The j-th of n samples, as a single-sample request.
 
         A seeded request gives each child its own seed, derived by hashing (seed, j), so the n
-        samples differ from each other but the whole set is reproducible.
+        samples differ from each other but the whole set is reproducible. A copy, not a new
+        construction: the parent was validated, and a child differs only in n = 1 and a 63-bit seed.
         """
         seed = self.seed
         if seed is not None:
             digest = hashlib.sha256(f"{seed}:{j}".encode()).digest()
             seed = int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
-        return dataclasses.replace(self, n=1, seed=seed)
+        child = copy.copy(self)
+        child.n = 1
+        child.seed = seed
+        return child
 
 
 @dataclass(slots=True)

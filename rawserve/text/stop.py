@@ -8,6 +8,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def normalize_stop(stop: Iterable[str] | str | None) -> tuple[str, ...]:
+    """A request's stop field (None, one string, or several) as a tuple of non-empty strings.
+
+    The one owner of that rule: SamplingParams and StopChecker both call it.
+    """
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop: each stop string must be a non-empty string, got {s!r}")
+    return stops
+
+
 class StopChecker:
     """Feed text deltas, get the part that is safe to show.
 
@@ -20,16 +34,7 @@ class StopChecker:
     __slots__ = ("_stops", "_include", "_held", "_chars", "stopped")
 
     def __init__(self, stop: Iterable[str] | str | None = None, include_stop_str_in_output: bool = False) -> None:
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,)
-        else:
-            stops = tuple(stop)
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: each stop string must be a non-empty string, got {s!r}")
-        self._stops = tuple(dict.fromkeys(stops))
+        self._stops = tuple(dict.fromkeys(normalize_stop(stop)))
         self._include = include_stop_str_in_output
         self._held = ""
         # A cheap first test: held text can only end in a character some stop string contains.

@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 
 from rawserve.config import EngineConfig
-from rawserve.engine.async_llm import AsyncLLM
+from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.core import EngineCore, make_engine_core
 from rawserve.engine.types import SamplingParams
 from rawserve.errors import EngineDead, Overloaded
@@ -275,7 +275,7 @@ async def test_stop_drains_in_flight_requests_and_refuses_new_ones(make_llm, tok
     await stopping
     results = [t.result() for t in tasks]
     assert all(r[-1].finish_reason == "length" and r[-1].num_output_tokens == 30 for r in results)
-    assert not llm._worker.is_alive()
+    assert not llm._client.worker.is_alive()
 
 
 async def test_stop_past_the_drain_deadline_fails_what_is_left(make_llm, tokenizer):
@@ -288,7 +288,7 @@ async def test_stop_past_the_drain_deadline_fails_what_is_left(make_llm, tokeniz
     with pytest.raises(EngineDead):
         async for _ in stream:
             pass
-    assert not llm._worker.is_alive()
+    assert not llm._client.worker.is_alive()
 
 
 async def test_thread_core_that_fails_to_load_is_a_clear_error_at_start(make_llm):
@@ -312,7 +312,7 @@ async def test_process_mode_end_to_end(make_llm, tokenizer):
     thread_llm = await make_llm()
     again = await collect(thread_llm.generate(tokenizer.encode("a"), params))
     assert [t for o in again for t in o.new_token_ids] == [t for o in results[0] for t in o.new_token_ids]
-    worker = llm._worker
+    worker = llm._client.worker
     await llm.stop(5)
     assert worker.exitcode == 0
 
@@ -345,7 +345,7 @@ EXIT_SCRIPT = """
 import asyncio, functools, sys
 sys.path.insert(0, {root!r})
 from rawserve.config import EngineConfig
-from rawserve.engine.async_llm import AsyncLLM
+from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.core import make_engine_core
 from rawserve.engine.types import SamplingParams
 from tests.engine.test_async_llm import byte_tokenizer

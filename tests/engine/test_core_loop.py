@@ -10,6 +10,7 @@ import pytest
 
 from rawserve.engine.core_loop import run_core
 from rawserve.engine.ipc import decode, encode, make_channel
+from rawserve.engine.messages import MsgKind
 from rawserve.engine.types import AddRequest, EngineStats, RequestOutput, SamplingParams
 
 
@@ -73,7 +74,7 @@ class Loop:
         self.log: list[tuple[str, object]] = []
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 3) -> None:
-        self.tx.send([("add", AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens)))])
+        self.tx.send([(MsgKind.ADD, AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens)))])
 
     def until(self, predicate, timeout_s: float = 10.0) -> list[tuple[str, object]]:
         """Messages received until one satisfies predicate (inclusive)."""
@@ -92,10 +93,10 @@ class Loop:
         raise AssertionError(f"condition not met; got {got}")
 
     def finished(self) -> set[str]:
-        return {o.request_id for kind, p in self.log if kind == "outputs" for o in p if o.finished}
+        return {o.request_id for kind, p in self.log if kind == MsgKind.OUTPUTS for o in p if o.finished}
 
     def stop(self) -> None:
-        self.tx.send([("shutdown", None)])
+        self.tx.send([(MsgKind.SHUTDOWN, None)])
         self.thread.join(5)
         assert not self.thread.is_alive()
 
@@ -116,8 +117,8 @@ def loop():
 
 def test_ready_carries_max_model_len_and_block_count_then_stats(loop):
     lp = loop(FakeCore)
-    msgs = lp.until(lambda m: m[0] == "stats")
-    assert msgs[0][0] == "ready"
+    msgs = lp.until(lambda m: m[0] == MsgKind.STATS)
+    assert msgs[0][0] == MsgKind.READY
     assert msgs[0][1]["max_model_len"] == 128 and msgs[0][1]["num_blocks"] == 32
     assert msgs[1][1].num_blocks == 32
 
@@ -127,22 +128,22 @@ def test_rejected_request_fails_alone_while_others_finish(loop):
     lp.add("a", [1, 2], max_tokens=3)
     lp.add("bad", [], max_tokens=3)
     lp.add("b", [3], max_tokens=2)
-    lp.until(lambda m: m[0] == "outputs" and {"a", "b"} <= lp.finished(), timeout_s=5)
-    errors = [p for kind, p in lp.log if kind == "error"]
+    lp.until(lambda m: m[0] == MsgKind.OUTPUTS and {"a", "b"} <= lp.finished(), timeout_s=5)
+    errors = [p for kind, p in lp.log if kind == MsgKind.ERROR]
     assert errors == [("bad", "prompt: must hold at least one token")]
     tokens = {}
     for kind, payload in lp.log:
-        if kind == "outputs":
+        if kind == MsgKind.OUTPUTS:
             for out in payload:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert tokens == {"a": [1, 2, 3], "b": [1, 2]}
-    assert not any(kind == "fatal" for kind, _ in lp.log)
+    assert not any(kind == MsgKind.FATAL for kind, _ in lp.log)
 
 
 def test_exception_in_step_is_fatal_and_ends_the_loop(loop):
     lp = loop(functools.partial(FakeCore, fail_at=2))
     lp.add("a", [1], max_tokens=10)
-    lp.until(lambda m: m[0] == "fatal")
+    lp.until(lambda m: m[0] == MsgKind.FATAL)
     assert "kernel exploded" in lp.log[-1][1]
     lp.thread.join(5)
     assert not lp.thread.is_alive()
@@ -152,10 +153,10 @@ def test_exception_in_step_is_fatal_and_ends_the_loop(loop):
 
 def test_stats_follow_a_request_that_finished_in_its_first_step(loop):
     lp = loop(FakeCore)
-    lp.until(lambda m: m[0] == "stats")
+    lp.until(lambda m: m[0] == MsgKind.STATS)
     lp.add("one", [1], max_tokens=1)
-    msgs = lp.until(lambda m: m[0] == "stats", timeout_s=5)
-    assert msgs[0][0] == "outputs" and msgs[-1][1].steps == 1 and msgs[-1][1].num_running == 0
+    msgs = lp.until(lambda m: m[0] == MsgKind.STATS, timeout_s=5)
+    assert msgs[0][0] == MsgKind.OUTPUTS and msgs[-1][1].steps == 1 and msgs[-1][1].num_running == 0
 
 
 class StatsFailCore(FakeCore):
@@ -168,7 +169,7 @@ class StatsFailCore(FakeCore):
 def test_fault_outside_step_is_fatal_too(loop):
     lp = loop(StatsFailCore)
     lp.add("a", [1], max_tokens=1)
-    msgs = lp.until(lambda m: m[0] == "fatal")
+    msgs = lp.until(lambda m: m[0] == MsgKind.FATAL)
     assert "block pool accounting broke" in msgs[-1][1]
     lp.thread.join(5)
     assert not lp.thread.is_alive()
@@ -176,8 +177,8 @@ def test_fault_outside_step_is_fatal_too(loop):
 
 def test_factory_failure_is_a_fatal_message_not_a_hang(loop):
     lp = loop(broken_factory)
-    msgs = lp.until(lambda m: m[0] == "fatal", timeout_s=5)
-    assert msgs[0][0] == "fatal" and "engine failed to start" in msgs[0][1] and "/nowhere" in msgs[0][1]
+    msgs = lp.until(lambda m: m[0] == MsgKind.FATAL, timeout_s=5)
+    assert msgs[0][0] == MsgKind.FATAL and "engine failed to start" in msgs[0][1] and "/nowhere" in msgs[0][1]
     lp.thread.join(5)
     assert not lp.thread.is_alive()
 
@@ -185,11 +186,11 @@ def test_factory_failure_is_a_fatal_message_not_a_hang(loop):
 def test_idle_core_blocks_without_stepping(loop):
     core = FakeCore()
     lp = loop(lambda: core)
-    lp.until(lambda m: m[0] == "stats")
+    lp.until(lambda m: m[0] == MsgKind.STATS)
     time.sleep(0.3)
     assert core.steps == 0
     lp.add("a", [1], max_tokens=2)
-    lp.until(lambda m: m[0] == "outputs" and "a" in lp.finished())
+    lp.until(lambda m: m[0] == MsgKind.OUTPUTS and "a" in lp.finished())
     steps = core.steps
     time.sleep(0.3)
     assert core.steps == steps == 2
@@ -199,10 +200,10 @@ def test_busy_core_admits_new_requests_at_the_next_step(loop):
     core = FakeCore(step_s=0.02)
     lp = loop(lambda: core)
     lp.add("long", [1], max_tokens=60)
-    lp.until(lambda m: m[0] == "outputs")
+    lp.until(lambda m: m[0] == MsgKind.OUTPUTS)
     lp.add("late", [1], max_tokens=1)
     sent_at_step = core.steps
-    lp.until(lambda m: m[0] == "outputs" and any(o.request_id == "late" for o in m[1]))
+    lp.until(lambda m: m[0] == MsgKind.OUTPUTS and any(o.request_id == "late" for o in m[1]))
     # Its add was taken while "long" was running: at most the step then in progress passed first.
     assert core.steps <= sent_at_step + 2
     assert "long" not in lp.finished()
@@ -211,22 +212,22 @@ def test_busy_core_admits_new_requests_at_the_next_step(loop):
 def test_abort_while_busy_stops_the_request_and_reports_idle_stats(loop):
     lp = loop(functools.partial(FakeCore, step_s=0.01))
     lp.add("a", [1], max_tokens=1000)
-    lp.until(lambda m: m[0] == "outputs")
-    lp.tx.send([("abort", "a")])
-    msgs = lp.until(lambda m: m[0] == "stats" and m[1].num_running == 0)
+    lp.until(lambda m: m[0] == MsgKind.OUTPUTS)
+    lp.tx.send([(MsgKind.ABORT, "a")])
+    msgs = lp.until(lambda m: m[0] == MsgKind.STATS and m[1].num_running == 0)
     assert msgs[-1][1].num_free_blocks == 32
     assert "a" not in lp.finished()
 
 
 def test_shutdown_ends_the_loop(loop):
     lp = loop(FakeCore)
-    lp.until(lambda m: m[0] == "ready")
+    lp.until(lambda m: m[0] == MsgKind.READY)
     lp.stop()
 
 
 def test_closed_input_ends_the_loop(loop):
     lp = loop(FakeCore)
-    lp.until(lambda m: m[0] == "ready")
+    lp.until(lambda m: m[0] == MsgKind.READY)
     lp.tx.close()
     lp.thread.join(5)
     assert not lp.thread.is_alive()
@@ -239,19 +240,19 @@ def test_real_engine_rejects_one_request_and_reports_queue_time(loop, tiny_qwen3
     config = EngineConfig(model_dir=str(tiny_qwen3_dir), device="cpu", max_model_len=64, num_kv_blocks=16,
                           max_num_seqs=1)
     lp = loop(functools.partial(make_engine_core, config))
-    lp.until(lambda m: m[0] == "ready", timeout_s=60)
+    lp.until(lambda m: m[0] == MsgKind.READY, timeout_s=60)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    lp.tx.send([("add", AddRequest("first", [5, 6, 7], params)),
-                ("add", AddRequest("too-long", list(range(100)), params)),
-                ("add", AddRequest("second", [8, 9], params))])
+    lp.tx.send([(MsgKind.ADD, AddRequest("first", [5, 6, 7], params)),
+                (MsgKind.ADD, AddRequest("too-long", list(range(100)), params)),
+                (MsgKind.ADD, AddRequest("second", [8, 9], params))])
     lp.until(lambda m: {"first", "second"} <= lp.finished(), timeout_s=30)
-    errors = dict(p for kind, p in lp.log if kind == "error")
+    errors = dict(p for kind, p in lp.log if kind == MsgKind.ERROR)
     assert list(errors) == ["too-long"] and "max_model_len" in errors["too-long"]
-    queued = dict(entry for kind, p in lp.log if kind == "queued" for entry in p)
+    queued = dict(entry for kind, p in lp.log if kind == MsgKind.QUEUED for entry in p)
     assert set(queued) == {"first", "second"}
     # max_num_seqs=1: "second" waited for all 8 of "first"'s steps before its own first step.
     assert queued["second"] > queued["first"]
-    counts = {o.request_id: o.num_output_tokens for kind, p in lp.log if kind == "outputs" for o in p if o.finished}
+    counts = {o.request_id: o.num_output_tokens for kind, p in lp.log if kind == MsgKind.OUTPUTS for o in p if o.finished}
     assert counts == {"first": 8, "second": 8}
 
 
@@ -262,14 +263,14 @@ def test_wire_encoding_round_trips_every_message_kind():
     params = SamplingParams(max_tokens=7, stop=("x",), logit_bias={3: 1.5}, seed=11)
     logprob = (5, -0.25, 1, ((5, -0.25), (6, -2.0)))
     msgs = [
-        ("ready", {"max_model_len": 64, "num_blocks": 9}),
-        ("add", AddRequest("r1", [1, 2, 3], params, 2, None, None, "salt")),
-        ("outputs", [RequestOutput("r1", [4], True, "stop", 4, [logprob], [None, logprob], 3, 1, 0),
+        (MsgKind.READY, {"max_model_len": 64, "num_blocks": 9}),
+        (MsgKind.ADD, AddRequest("r1", [1, 2, 3], params, 2, None, None, "salt")),
+        (MsgKind.OUTPUTS, [RequestOutput("r1", [4], True, "stop", 4, [logprob], [None, logprob], 3, 1, 0),
                      RequestOutput("r2", [], num_prompt_tokens=5)]),
-        ("stats", EngineStats(num_running=2, kv_cache_usage=0.5, extra={"k": 1})),
-        ("error", ("r3", "bad")),
-        ("abort", "r1"),
-        ("queued", [("r1", 0.25)]),
+        (MsgKind.STATS, EngineStats(num_running=2, kv_cache_usage=0.5, extra={"k": 1})),
+        (MsgKind.ERROR, ("r3", "bad")),
+        (MsgKind.ABORT, "r1"),
+        (MsgKind.QUEUED, [("r1", 0.25)]),
     ]
     assert decode(encode(msgs)) == msgs
 
@@ -279,7 +280,7 @@ def test_process_transports_deliver_batches_in_order_then_eof(transport):
     context = multiprocessing.get_context("spawn")
     tx, rx = make_channel(transport, context, threaded_sender=True)
     assert rx.recv(0.05) == []
-    batches = [[("outputs", [RequestOutput(f"r{i}", [i], num_output_tokens=i)])] for i in range(200)]
+    batches = [[(MsgKind.OUTPUTS, [RequestOutput(f"r{i}", [i], num_output_tokens=i)])] for i in range(200)]
     for batch in batches:
         tx.send(batch)
     got = []

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_greedy_generation_on_cuda_matches_cpu(tiny_qwen3_dir):
-    from rawserve.engine.llm import LLM
+    from rawserve.engine.frontend.llm import LLM
 
     prompts = [[5, 9, 17, 33, 2 + i] for i in range(4)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -20,7 +20,7 @@ def test_greedy_generation_on_cuda_matches_cpu(tiny_qwen3_dir):
 
 
 def test_seeded_sampling_on_cuda_is_reproducible(tiny_qwen3_dir):
-    from rawserve.engine.llm import LLM
+    from rawserve.engine.frontend.llm import LLM
 
     llm = LLM(tiny_qwen3_dir, device="cuda", dtype="bfloat16", num_kv_blocks=64)
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import rawserve
-from rawserve.engine.llm import LLM
+from rawserve.engine.frontend.llm import LLM
 from rawserve.engine.types import SamplingParams
 from tests.conftest import fixture_path
 

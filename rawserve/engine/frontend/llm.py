@@ -1,7 +1,8 @@
 """Offline API: `LLM(model_dir, **engine_options).generate(prompts, params)` drives an EngineCore to completion.
 
-The in-process frontend (like async_llm, not core side): it tokenizes text prompts, fans out n samples,
-detokenizes and enforces stop strings. rawserve.text is imported lazily, so token-id use loads only the core.
+The in-process frontend: it tokenizes text prompts, checks each request's rules, fans out n samples, and folds the
+OutputProcessor's decisions into results. It builds the core through the seam's CoreFactory, so the core (and
+torch) loads only when an LLM is made.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rawserve.config import EngineConfig
-from rawserve.engine.core import EngineCore
+from rawserve.engine.frontend.output_processor import OutputProcessor
+from rawserve.engine.launch import CoreFactory
+from rawserve.engine.rules import check_request, samples
 from rawserve.engine.types import SamplingParams, TokenLogprob
 
 
@@ -38,14 +41,12 @@ class GenerationResult:
 class _Sample:
     """Frontend-side state of one sample while it runs."""
 
-    __slots__ = ("result", "completion", "detok", "stop", "logprobs_on")
+    __slots__ = ("result", "completion", "processor")
 
-    def __init__(self, result: GenerationResult, completion: Completion, detok, stop, logprobs_on: bool) -> None:
+    def __init__(self, result: GenerationResult, completion: Completion, processor: OutputProcessor) -> None:
         self.result = result
         self.completion = completion
-        self.detok = detok
-        self.stop = stop
-        self.logprobs_on = logprobs_on
+        self.processor = processor
 
 
 class LLM:
@@ -58,7 +59,7 @@ class LLM:
             model_dir = ensure_demo_model()
         self.model_dir = pathlib.Path(model_dir)
         self.config = EngineConfig(model_dir=str(model_dir), **engine_options)
-        self.core = EngineCore(self.config)
+        self.core = CoreFactory(self.config)()
         self._tokenizer = None
         self._tokenizer_loaded = False
         self._ids = itertools.count()
@@ -83,7 +84,7 @@ class LLM:
         if len(param_list) != len(prompt_list):
             raise ValueError(f"params: got {len(param_list)} for {len(prompt_list)} prompts")
         results: list[GenerationResult] = []
-        samples: dict[str, _Sample] = {}
+        running: dict[str, _Sample] = {}
         batch = next(self._ids)
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, param_list)):
@@ -93,34 +94,21 @@ class LLM:
                 ids = self._encode(prompt) if text is not None else list(prompt)
                 result = GenerationResult(text, ids)
                 results.append(result)
-                for j in range(p.n):
-                    child = p.child(j) if p.n > 1 else p
+                for j, child in enumerate(samples(p)):
+                    check_request(ids, child, vocab_size=self.core.vocab_size, max_model_len=self.core.max_model_len)
                     rid = f"llm-{batch}-{i}-{j}"
-                    completion = Completion(j, [], None, None, None, [] if child.logprobs is not None else None)
+                    completion = Completion(j, [], None if self.tokenizer is None else "", None, None,
+                                            [] if child.logprobs is not None else None)
                     result.outputs.append(completion)
-                    samples[rid] = self._sample_state(result, completion, child)
+                    running[rid] = _Sample(result, completion, OutputProcessor(rid, self.tokenizer, child))
                     self.core.add_request(rid, ids, child, priority)
-            self._drive(samples)
+            self._drive(running)
         except BaseException:
             # Leave the engine clean for the next call, whatever interrupted this one.
-            for rid in samples:
+            for rid in running:
                 self.core.abort_request(rid)
             raise
         return results
-
-    def _sample_state(self, result: GenerationResult, completion: Completion, params: SamplingParams) -> _Sample:
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            if params.stop:
-                raise ValueError("stop: stop strings need a tokenizer, and this checkpoint has none")
-            return _Sample(result, completion, None, None, params.logprobs is not None)
-        from rawserve.text.detokenizer import IncrementalDetokenizer
-        from rawserve.text.stop import StopChecker
-
-        completion.text = ""
-        return _Sample(result, completion, IncrementalDetokenizer(tokenizer, params.skip_special_tokens),
-                       StopChecker(params.stop, params.include_stop_str_in_output),
-                       params.logprobs is not None)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -128,6 +116,7 @@ class LLM:
         return list(self.tokenizer.encode(text))
 
     def _drive(self, samples: dict[str, _Sample]) -> None:
+        """Step the core until every sample has finished, folding each output into its Completion."""
         core = self.core
         running = set(samples)
         while running:
@@ -135,27 +124,20 @@ class LLM:
                 state = samples.get(out.request_id)
                 if state is None or out.request_id not in running:
                     continue
+                text_out, abort = state.processor.process(out)
+                if abort:
+                    core.abort_request(out.request_id)
                 completion = state.completion
-                completion.token_ids.extend(out.new_token_ids)
-                if state.logprobs_on and out.logprobs:
-                    completion.logprobs.extend(out.logprobs)
-                if out.prompt_logprobs is not None and state.result.prompt_logprobs is None:
-                    state.result.prompt_logprobs = out.prompt_logprobs
-                state.result.num_cached_tokens = out.num_cached_tokens
-                finished, reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
-                if state.detok is not None:
-                    delta = state.detok.add(out.new_token_ids)
-                    if finished:
-                        delta += state.detok.flush()
-                    completion.text += state.stop.add(delta)
-                    if state.stop.stopped is not None:
-                        if not finished:
-                            core.abort_request(out.request_id)  # the core does not see stop strings
-                        finished, reason, stop_reason = True, "stop", state.stop.stopped
-                    elif finished:
-                        completion.text += state.stop.finish()
-                if finished:
-                    completion.finish_reason, completion.stop_reason = reason, stop_reason
+                completion.token_ids.extend(text_out.new_token_ids)
+                if completion.text is not None:
+                    completion.text += text_out.text
+                if completion.logprobs is not None and text_out.logprobs:
+                    completion.logprobs.extend(text_out.logprobs)
+                if text_out.prompt_logprobs is not None and state.result.prompt_logprobs is None:
+                    state.result.prompt_logprobs = text_out.prompt_logprobs
+                state.result.num_cached_tokens = text_out.num_cached_tokens
+                if text_out.finished:
+                    completion.finish_reason, completion.stop_reason = text_out.finish_reason, text_out.stop_reason
                     running.discard(out.request_id)
             if running and not core.has_unfinished:
                 raise RuntimeError(f"engine went idle with {len(running)} requests unfinished")

@@ -1,48 +1,25 @@
 """One request's frontend state and its stream: TextOutput deltas, coalesced while the consumer is slow.
 
-Touched only on the event loop thread; AsyncLLM (async_llm.py) owns and feeds these objects.
+Touched only on the event loop thread. AsyncLLM feeds the state; the stream hands it back through a release
+callback, and knows nothing else of AsyncLLM.
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from rawserve.engine.types import TokenLogprob
-from rawserve.text.detokenizer import IncrementalDetokenizer
-from rawserve.text.stop import StopChecker
-
-if TYPE_CHECKING:
-    from rawserve.engine.async_llm import AsyncLLM
-
-
-@dataclass(slots=True)
-class TextOutput:
-    """What one request produced since the consumer last read: a visible text delta and its ids."""
-    request_id: str
-    text: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
-    stop_reason: int | str | None = None  # the stop token id or the matched stop string
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+from rawserve.engine.frontend.output_processor import OutputProcessor, TextOutput
 
 
 class RequestState:
     """Frontend state of one request. Touched only on the event loop thread."""
 
-    __slots__ = ("rid", "detok", "stop", "arrival", "first_token_at", "last_token_at", "timer", "pending",
-                 "_texts", "error", "waiter", "is_finished", "is_closed", "num_prompt_tokens",
-                 "num_output_tokens", "num_cached_tokens")
+    __slots__ = ("rid", "processor", "arrival", "first_token_at", "last_token_at", "timer", "pending",
+                 "_texts", "error", "waiter", "is_finished", "is_closed")
 
-    def __init__(self, rid: str, detok: IncrementalDetokenizer, stop: StopChecker, arrival: float) -> None:
+    def __init__(self, rid: str, processor: OutputProcessor, arrival: float) -> None:
         self.rid = rid
-        self.detok = detok
-        self.stop = stop
+        self.processor = processor
         self.arrival = arrival
         self.first_token_at: float | None = None
         self.last_token_at = arrival
@@ -53,7 +30,6 @@ class RequestState:
         self.waiter: asyncio.Future | None = None
         self.is_finished = False  # no more outputs will be accepted from the core
         self.is_closed = False  # the consumer is done with the stream
-        self.num_prompt_tokens = self.num_output_tokens = self.num_cached_tokens = 0
 
     def deliver(self, item: TextOutput) -> None:
         pending = self.pending
@@ -92,14 +68,17 @@ class RequestStream:
     """One request's TextOutputs, an async iterator returned by AsyncLLM.generate().
 
     Ending early (break, aclose(), cancellation of the consumer, or dropping the stream) aborts the
-    request in the core. After the final output, or an error, iteration stops.
+    request in the core: every way out calls `release(state)` once the consumer is done with it.
+    After the final output, or an error, iteration stops.
     """
 
-    __slots__ = ("_llm", "_state")
+    __slots__ = ("_state", "_release", "_loop")
 
-    def __init__(self, llm: AsyncLLM, state: RequestState) -> None:
-        self._llm = llm
+    def __init__(self, state: RequestState, release: Callable[[RequestState], None],
+                 loop: asyncio.AbstractEventLoop) -> None:
         self._state = state
+        self._release = release
+        self._loop = loop  # the state's loop: a stream dropped on another thread releases it there
 
     @property
     def request_id(self) -> str:
@@ -113,28 +92,28 @@ class RequestStream:
         if state.is_closed:
             raise StopAsyncIteration
         while state.pending is None and state.error is None:
-            state.waiter = self._llm._loop.create_future()
+            state.waiter = self._loop.create_future()
             try:
                 await state.waiter
             except BaseException:  # cancelled: the consumer is gone, so the core must stop too
                 state.waiter = None
-                self._llm._release(state)
+                self._release(state)
                 raise
             state.waiter = None
         if state.error is not None:
-            self._llm._release(state)
+            self._release(state)
             raise state.error
         item = state.take()
         if item.finished:
-            self._llm._release(state)
+            self._release(state)
         return item
 
     async def aclose(self) -> None:
-        self._llm._release(self._state)
+        self._release(self._state)
 
     def __del__(self) -> None:
         if not self._state.is_closed:  # dropped unread (e.g. `break` out of async for): abort it
             try:
-                self._llm._loop.call_soon_threadsafe(self._llm._release, self._state)
+                self._loop.call_soon_threadsafe(self._release, self._state)
             except RuntimeError:  # the loop is closed; the core goes down with the process
                 pass

@@ -1,0 +1,28 @@
+"""The frontend/core protocol: which kinds of message cross the process boundary, and what each carries.
+
+Seam: both halves import it, so it imports the standard library only.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class MsgKind(enum.StrEnum):
+    """A message's kind. A StrEnum: it equals its plain name, so a log or a test reads `"outputs"`."""
+
+    # frontend -> core
+    ADD = "add"  # AddRequest
+    ABORT = "abort"  # rid
+    SHUTDOWN = "shutdown"  # None
+    # core -> frontend
+    READY = "ready"  # {max_model_len, num_blocks, vocab_size, pid}, once the core is built
+    OUTPUTS = "outputs"  # [RequestOutput], once per step that produced any
+    ERROR = "error"  # (rid, message): the core rejected that request alone
+    FATAL = "fatal"  # message: the core is gone; every request fails
+    STATS = "stats"  # EngineStats, periodically and whenever the core goes idle
+    QUEUED = "queued"  # [(rid, seconds waited)] when requests are first scheduled
+
+
+# One message: (kind, payload). Transports (engine/ipc.py) carry a list of them per send.
+Message = tuple[MsgKind, Any]
