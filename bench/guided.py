@@ -13,6 +13,13 @@ for llguidance grammar_from_json_schema + LLMatcher, then the first fill. A per-
 while a valid output (json.dumps of an instance, Qwen3-tokenized) is fed token by token; the first pass
 is warm-up (totals reported separately), the next --passes are measured. Ours is mask() + apply() on a
 float32 row; theirs is the bitmask fill (mask_*), and fill + xgrammar's CPU apply kernel (mask_apply_*).
+Masks run on one torch thread (--mask-threads); *_cpu_* figures are this thread's CPU time, without the
+time a shared box's scheduler kept it off the core.
+Decode: 32 requests through EngineCore at temperature 1, unconstrained before and after the constrained
+runs; the model forward (runner.execute) and the guided share of each step (GuidedState.mask/advance,
+TokenMask.apply) are timed inside it. The target is judged on ratio_same_forward: each run's host time
+over one forward shared by all runs, since on a shared box the forward alone swings several-fold between
+runs; the plain tok/s ratio is printed beside it.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import time
 
 import torch
 
-from bench.engine import percentile, rev
+from bench.engine import ForwardTimer, percentile, rev
 
 log = logging.getLogger("bench.guided")
 
@@ -488,18 +495,21 @@ class GuidedTimer:
         from rawserve.engine.guided.matcher import GuidedState, TokenMask
 
         self.total_s = 0.0
+        self.parts_s = {"mask": 0.0, "apply": 0.0, "advance": 0.0}
         self.saved = [(GuidedState, "mask", GuidedState.mask), (GuidedState, "advance", GuidedState.advance),
                       (TokenMask, "apply", TokenMask.apply)]
         for cls, attr, inner in self.saved:
-            setattr(cls, attr, self._wrap(inner))
+            setattr(cls, attr, self._wrap(attr, inner))
 
-    def _wrap(self, inner):
+    def _wrap(self, attr: str, inner):
         def timed(*a, **k):
             began = time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
-                self.total_s += time.perf_counter() - began
+                spent = time.perf_counter() - began
+                self.total_s += spent
+                self.parts_s[attr] += spent
         return timed
 
     def restore(self) -> None:
@@ -507,23 +517,26 @@ class GuidedTimer:
             setattr(cls, attr, inner)
 
 
-def decode_run(core, prompts: list[list[int]], output_len: int, guided, tag: str, timer: GuidedTimer) -> dict:
+def decode_run(core, prompts: list[list[int]], output_len: int, guided, tag: str, timer: GuidedTimer,
+               forward: ForwardTimer) -> dict:
     from rawserve.engine.types import SamplingParams
 
     for i, ids in enumerate(prompts):
         core.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=output_len, temperature=1.0, seed=1000 + i,
                                                            guided=guided))
     batch = len(prompts)
-    steps = []  # (wall_s, guided_s, num_running before the step, tokens out)
+    steps = []  # (wall_s, guided_s, num_running before the step, tokens out, forward_s)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
+    timer.parts_s = dict.fromkeys(timer.parts_s, 0.0)
     began = time.perf_counter()
     while core.has_unfinished:
         running = core.scheduler.num_running
         timer.total_s = 0.0
         t0 = time.perf_counter()
         outs = core.step()
-        steps.append((time.perf_counter() - t0, timer.total_s, running, sum(len(o.new_token_ids) for o in outs)))
+        steps.append((time.perf_counter() - t0, timer.total_s, running, sum(len(o.new_token_ids) for o in outs),
+                      forward.last_s))
         for o in outs:
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
             if o.finished:
@@ -533,6 +546,7 @@ def decode_run(core, prompts: list[list[int]], output_len: int, guided, tag: str
     # decode steps with every seat taken (the prefill step excluded: it starts with none running)
     full = [s for s in steps if s[2] == batch and s[3] == batch]
     return {"elapsed_s": elapsed, "num_output_tokens": num_tokens, "steps": steps, "full": full,
+            "parts_ms": {k: round(v * 1e3, 1) for k, v in timer.parts_s.items()},
             "outputs": outputs, "reasons": reasons}
 
 
@@ -552,9 +566,10 @@ def bench_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> lis
     core = EngineCore(config)
     core.guided_registry()  # the vocabulary index, from its disk cache: engine start-up, not a step's cost
     timer = GuidedTimer()
+    forward = ForwardTimer(core.runner)
     try:
         began = time.perf_counter()
-        decode_run(core, prompts, 2, None, "warmup", timer)  # batch shapes, allocator growth
+        decode_run(core, prompts, 2, None, "warmup", timer, forward)  # batch shapes, allocator growth
         warmup_s = time.perf_counter() - began
         grammars = {"none": None}
         for name in args.decode_grammars.split(","):
@@ -569,7 +584,7 @@ def bench_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> lis
         for run_index, label in enumerate(order):
             name = label.split(":")[0]
             log.info("decode: %s", label)
-            result = decode_run(core, prompts, out_len, grammars[name], f"r{run_index}", timer)
+            result = decode_run(core, prompts, out_len, grammars[name], f"r{run_index}", timer, forward)
             full = result["full"]
             step_ms = [s[0] * 1e3 for s in full]
             guided_ms = [s[1] * 1e3 for s in full]
@@ -581,11 +596,19 @@ def bench_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> lis
                          "output_tok_s": round(result["num_output_tokens"] / result["elapsed_s"], 1),
                          "num_full_batch_steps": len(full),
                          "step_ms_p50": round(percentile(step_ms, 0.5), 2) if full else None,
+                         # the model forward alone (runner.execute): what the box's load moves, not the grammar
+                         "forward_ms_p50": round(percentile([s[4] * 1e3 for s in full], 0.5), 2) if full else None,
+                         "host_ms_per_step_p50": (round(percentile([(s[0] - s[4]) * 1e3 for s in full], 0.5), 2)
+                                                  if full else None),
                          "decode_tok_s_at_full_batch": (round(batch * 1e3 / percentile(step_ms, 0.5), 1)
                                                         if full else None),
                          "guided_ms_per_step_p50": round(percentile(guided_ms, 0.5), 2) if full else None,
                          "guided_ms_per_step_max": round(max(guided_ms), 2) if full else None,
                          "guided_ms_total": round(sum(s[1] for s in result["steps"]) * 1e3, 1),
+                         # of which: GuidedState.mask (cold masks are built here), TokenMask.apply, advance
+                         "guided_mask_ms_total": result["parts_ms"]["mask"],
+                         "guided_apply_ms_total": result["parts_ms"]["apply"],
+                         "guided_advance_ms_total": result["parts_ms"]["advance"],
                          "num_finished_early": finished_early, "warmup_s": round(warmup_s, 2),
                          "load_avg_1m": round(os.getloadavg()[0], 2)})
             if name != "none":
@@ -721,16 +744,29 @@ def targets(all_rows: dict, decode_rows: list[dict], base: dict, run_s: float) -
         key = f"decode_{row['grammar']}_{row['phase']}"
         # The same from the guided time inside the constrained steps alone, which the box's load swings less:
         # an unconstrained step plus that time.
-        plain_step_ms = statistics.fmean(r["step_ms_p50"] for r in decode_rows if r["grammar"] == "none")
-        out[key] = {"tok_s": row["decode_tok_s_at_full_batch"],
+        plain_steps_ms = [r["step_ms_p50"] for r in decode_rows if r["grammar"] == "none"]
+        plain_step_ms = statistics.fmean(plain_steps_ms)
+        # Each run's host time (step minus forward) over one forward shared by all runs: the throughput
+        # ratio with the forward's swings under the box's load taken out.
+        forward_ms = statistics.fmean(r["forward_ms_p50"] for r in decode_rows)
+        plain_host_ms = statistics.fmean(r["host_ms_per_step_p50"] for r in decode_rows if r["grammar"] == "none")
+        same_forward = (forward_ms + plain_host_ms) / (forward_ms + row["host_ms_per_step_p50"])
+        out[key] = {"ratio_same_forward": round(same_forward, 3), "met_same_forward": same_forward >= DECODE_RATIO,
+                    "host_ms_per_step_p50": row["host_ms_per_step_p50"],
+                    "unconstrained_host_ms_per_step_p50": round(plain_host_ms, 2),
+                    "forward_ms_p50_all_runs": round(forward_ms, 1),
+                    "tok_s": row["decode_tok_s_at_full_batch"],
                     "unconstrained_tok_s": round(statistics.fmean(plain), 1),
                     "ratio": round(ratio, 3), "met": ratio >= DECODE_RATIO,
                     "guided_ms_per_step_p50": row["guided_ms_per_step_p50"],
                     "unconstrained_step_ms_p50": round(plain_step_ms, 1),
+                    # the slowest unconstrained run's step over the fastest: past ~1.2 the box's load moved
+                    # under the runs and `ratio` says more about the load than about the grammar
+                    "unconstrained_step_swing": round(max(plain_steps_ms) / min(plain_steps_ms), 2),
                     "ratio_from_guided_ms": round(plain_step_ms / (plain_step_ms + row["guided_ms_per_step_p50"]), 3),
                     "output_tok_s_ratio": round(row["output_tok_s"] / statistics.fmean(
                         [r["output_tok_s"] for r in decode_rows if r["grammar"] == "none"]), 3)}
-        met.append(ratio >= DECODE_RATIO)
+        met.append(same_forward >= DECODE_RATIO)  # `ratio` is printed too; on a quiet box the two agree
     out.update(targets={"mask_p50_vs_llg_max": MASK_P50_VS_LLG, "mask_p50_vs_xgr_max": MASK_P50_VS_XGR,
                         "mask_p99_us_max": MASK_P99_US, "cold_compile_vs_xgr_max": COMPILE_VS_XGR,
                         "cached_compile_ms_max": CACHED_COMPILE_MS, "decode_ratio_min": DECODE_RATIO},
