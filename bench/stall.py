@@ -5,8 +5,9 @@
 Serves the demo model with `python -m rawserve`, keeps one long streaming completion going, and
 reads its events on a raw socket, timing the gap between consecutive events. Then it sends, one
 at a time, requests that make the server do a lot of work on its event loop's side: a multi-MB
-text prompt (refused for its length after tokenizing), a multi-MB /tokenize, and /detokenize of
-millions of ids. Prints one JSON line per case: the largest gap between the stream's events while
+text prompt (refused for its length after tokenizing), a multi-MB /tokenize, /detokenize of
+millions of ids, and structured output whose grammar is new (a 300-property JSON schema, a regex with a
+20,000-step repeat): they compile in the server's process and build their first masks in the core. Prints one JSON line per case: the largest gap between the stream's events while
 that request was being answered, against the stream's own p99 gap when nothing else happens.
 """
 from __future__ import annotations
@@ -68,6 +69,20 @@ class StreamWatch(threading.Thread):
         return [b - a for (a, sa), (b, sb) in zip(arrivals, arrivals[1:]) if sa == sb and b >= start and a <= end]
 
 
+def big_schema(salt: str) -> dict:
+    """A wide, nested schema no earlier run has compiled (the salt changes its property names)."""
+    props = {}
+    for i in range(300):
+        kind = i % 4
+        props[f"p{salt}_{i}"] = ({"type": "string", "maxLength": 20} if kind == 0 else
+                                 {"type": "integer", "minimum": -i, "maximum": 1000 + i} if kind == 1 else
+                                 {"enum": ["red", "green", f"v{i}"]} if kind == 2 else
+                                 {"type": "object", "properties": {"a": {"type": "boolean"},
+                                                                   "b": {"type": "array", "items": {"type": "number"}}},
+                                  "required": ["a"]})
+    return {"type": "object", "properties": props, "required": list(props)[:10]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hostile-mb", type=float, default=6.0, help="Size of each hostile request body.")
@@ -101,6 +116,11 @@ def main() -> None:
             "completion_text_prompt": ("/v1/completions", {"model": "rawserve-demo", "prompt": text, "max_tokens": 1}),
             "tokenize_text": ("/tokenize", {"prompt": text}),
             "detokenize_ids": ("/detokenize", {"tokens": ids}),
+            "guided_new_300_property_schema": ("/v1/completions", {
+                "model": "rawserve-demo", "prompt": "JSON:", "max_tokens": 8, "guided_json": big_schema(f"{port}")}),
+            "guided_new_20000_repeat_regex": ("/v1/completions", {
+                "model": "rawserve-demo", "prompt": "Letters:", "max_tokens": 8,
+                "guided_regex": f"[a-z]{{0,20000}}x{port}"}),
         }
         watch = StreamWatch(port)
         watch.start()

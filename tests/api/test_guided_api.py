@@ -163,7 +163,7 @@ def test_gbnf_regex_and_choice_on_completions_and_chat(client):
      "response_format.json_schema.schema", "patternProperties"),
     ({"guided_regex": "(?=a)b"}, "guided_regex", "lookahead"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-    ({"guided_grammar": "root ::= root \"a\""}, "guided_grammar", "left recursion"),
+    ({"guided_grammar": "root ::= root \"a\""}, "guided_grammar", "left-recursive"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "Only one"),
     ({"tool_choice": "required"}, "tool_choice", "tools"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},

@@ -182,3 +182,14 @@ def test_registry_shares_one_runtime_per_grammar_and_drops_the_oldest():
     state = GuidedState(first.runtime)
     state.advance(tokens.index(b"a"))
     assert state.is_complete and not state.is_dead
+
+
+def test_a_pickled_grammar_behaves_like_the_original():
+    import pickle
+
+    grammar = GRAMMARS["nested"]
+    compiled = compile_grammar(grammar, "nested")
+    copy = pickle.loads(pickle.dumps(compiled))
+    a, b = Automaton(compiled), Automaton(copy)
+    for text in ('{}', '{"a":12}', '{"a":{"b":[12,"x",[]]}}', '{"a":', '{"a":[12,]}', '[]'):
+        assert a.matches(text.encode()) == b.matches(text.encode()) == accepts(grammar, text), text

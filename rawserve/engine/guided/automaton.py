@@ -7,6 +7,8 @@ whose reachable part is built only as far as outputs go.
 """
 from __future__ import annotations
 
+from array import array
+from collections import Counter
 from dataclasses import dataclass
 
 from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, GrammarError, Node, Ref, Repeat, Seq,
@@ -14,7 +16,10 @@ from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, Gramma
 
 MAX_NFA_STATES = 250_000
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
-INLINE_MAX_NODES = 4_000  # a non-recursive rule bigger than this is called, not copied at each use
+# A rule used in more than one place is copied into each only when it is this small; bigger ones are called
+# (one copy, a stack frame at run time). Copying chains of shared rules is how the NFA of a schema with
+# optional properties went quadratic: 100 optional properties made 120,854 states.
+INLINE_MAX_NODES = 64
 DEAD = 0  # configuration id of the empty set: no thread survives
 
 
@@ -39,6 +44,56 @@ class CompiledGrammar:
     @property
     def num_states(self) -> int:
         return len(self.eps)
+
+    # Pickled flat: lists of small lists of tuples took 4 s to unpickle for a 120k-state NFA (in the core, in
+    # its step). As int arrays they cross the pipe as bytes, and rows are sliced out only when read.
+    def __getstate__(self) -> dict:
+        state = {"key": self.key, "rule_start": self.rule_start, "rule_final": self.rule_final,
+                 "start_rule": self.start_rule, "is_final": bytes(self.is_final)}
+        for name, width in _EDGE_LISTS:
+            offsets = array("i", [0])
+            flat = array("i")
+            for edges in getattr(self, name):
+                for edge in edges:
+                    if width == 1:
+                        flat.append(edge)
+                    else:
+                        flat.extend(edge)
+                offsets.append(len(flat))
+            state[name] = (offsets, flat)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.key, self.rule_start, self.rule_final = state["key"], state["rule_start"], state["rule_final"]
+        self.start_rule = state["start_rule"]
+        self.is_final = list(map(bool, state["is_final"]))
+        for name, width in _EDGE_LISTS:
+            offsets, flat = state[name]
+            setattr(self, name, _Rows(offsets.tolist(), flat.tolist(), width))
+
+
+_EDGE_LISTS = (("eps", 1), ("byte_edges", 3), ("token_edges", 2), ("call_edges", 2))
+
+
+class _Rows:
+    """Per-state edge lists read from flat ints: rows[s] is state s's list (of ints, or of width-tuples)."""
+
+    __slots__ = ("offsets", "flat", "width")
+
+    def __init__(self, offsets: list[int], flat: list[int], width: int) -> None:
+        self.offsets, self.flat, self.width = offsets, flat, width
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, s: int) -> list:
+        a, b = self.offsets[s], self.offsets[s + 1]
+        if self.width == 1:
+            return self.flat[a:b]
+        return list(zip(*[iter(self.flat[a:b])] * self.width))
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
 
 
 def _cyclic_rules(grammar: Grammar) -> set[str]:
@@ -67,6 +122,7 @@ class _Builder:
         self.token_edges: list[list[tuple[int, int]]] = []
         self.call_edges: list[list[tuple[int, int]]] = []
         self.cyclic = _cyclic_rules(grammar)
+        self.num_uses = Counter(r for node in grammar.rules.values() for r in iter_refs(node))
         self.sizes: dict[str, int] = {}
         self.rule_index: dict[str, int] = {}
         self.rule_start: list[int] = []
@@ -135,18 +191,16 @@ class _Builder:
                 target = end if i == len(node.items) - 1 else self.new()
                 self.build(item, state, target)
                 state = target
-        elif isinstance(node, Alt):
+        elif isinstance(node, Alt):  # branches share start and end: none adds an edge into one or out of the other
             for item in node.items:
-                inner_start, inner_end = self.new(), self.new()
-                self.eps[start].append(inner_start)
-                self.build(item, inner_start, inner_end)
-                self.eps[inner_end].append(end)
+                self.build(item, start, end)
         elif isinstance(node, Repeat):
             self._repeat(node, start, end)
         elif isinstance(node, Ref):
             if node.name not in self.grammar.rules:
                 raise GrammarError(f"undefined rule {node.name!r}")
-            if node.name in self.cyclic or self.size(node) > INLINE_MAX_NODES:
+            name = node.name
+            if name in self.cyclic or (self.num_uses[name] > 1 and self.size(node) > INLINE_MAX_NODES):
                 self.call_edges[start].append((self.rule(node.name), end))
             else:
                 self.build(self.grammar.rules[node.name], start, end)
@@ -210,7 +264,6 @@ class Automaton:
         self.g = g
         n = g.num_states
         self.mark = n  # a state past the NFA's: any byte, forever
-        self.byte_edges = g.byte_edges + [[(0, 255, n)]]
         self.consuming = [bool(g.byte_edges[s] or g.token_edges[s]) for s in range(n)] + [True]
         self.accept_state = g.rule_final[g.start_rule]
         self.is_tail = self._tail_states()
@@ -350,8 +403,9 @@ class Automaton:
         row = self.next_byte[cid]
         if cid == DEAD or row[0] >= 0:
             return row
-        byte_edges = self.byte_edges
-        edges = [(lo, hi, t, sid) for s, sid in self.configs[cid] for lo, hi, t in byte_edges[s]]
+        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
+        edges = [(lo, hi, t, sid) for s, sid in self.configs[cid]
+                 for lo, hi, t in (byte_edges[s] if s != mark else any_byte)]
         cuts = sorted({0, 256, *(lo for lo, _, _, _ in edges), *(hi + 1 for _, hi, _, _ in edges)})
         row = [DEAD] * 256
         for begin, end in zip(cuts, cuts[1:]):

@@ -252,6 +252,21 @@ class GrammarRuntime:
         return TokenMask(is_allow_list, ids.to(self.device), num_allowed, accepting)
 
 
+def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GuidedState, list[int]]]) -> None:
+    """Mask the constrained rows of a step's logits ([B, V], in place): (row, its state, its end ids).
+
+    On one torch thread, like the mask build: a row's fill and index ops take 15-30 us alone, and 6-15 ms
+    with two threads on a busy machine, where every intra-op barrier waits for the other thread.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i, state, end_ids in rows:
+            state.mask().apply(logits[i], end_ids)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class GuidedState:
     """One request's place in its grammar: a configuration id, advanced by each sampled token.
 
