@@ -7,7 +7,8 @@ reads its events on a raw socket, timing the gap between consecutive events. The
 at a time, requests that make the server do a lot of work on its event loop's side: a multi-MB
 text prompt (refused for its length after tokenizing), a multi-MB /tokenize, /detokenize of
 millions of ids, and structured output whose grammar is new (a 300-property JSON schema, a regex with a
-20,000-step repeat): they compile in the server's process and build their first masks in the core. Prints one JSON line per case: the largest gap between the stream's events while
+9,000-step repeat): they compile in the server's process and build their first masks in the core.
+Prints one JSON line per case: the largest gap between the stream's events while
 that request was being answered, against the stream's own p99 gap when nothing else happens.
 """
 from __future__ import annotations
@@ -118,9 +119,9 @@ def main() -> None:
             "detokenize_ids": ("/detokenize", {"tokens": ids}),
             "guided_new_300_property_schema": ("/v1/completions", {
                 "model": "rawserve-demo", "prompt": "JSON:", "max_tokens": 8, "guided_json": big_schema(f"{port}")}),
-            "guided_new_20000_repeat_regex": ("/v1/completions", {
+            "guided_new_9000_repeat_regex": ("/v1/completions", {
                 "model": "rawserve-demo", "prompt": "Letters:", "max_tokens": 8,
-                "guided_regex": f"[a-z]{{0,20000}}x{port}"}),
+                "guided_regex": f"[a-z]{{0,9000}}x{port}"}),
         }
         watch = StreamWatch(port)
         watch.start()
