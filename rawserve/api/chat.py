@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from rawserve.api.guided import ToolForcing, request_spec
+from rawserve.api.guided import ToolForcing, request_spec, think_mode
 from rawserve.api.protocol import ChatMessage, ChatRequest
 from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
                                   wants_usage_chunk)
@@ -121,7 +121,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
         req.max_tokens = req.max_completion_tokens
     text, use_tools = render_prompt(ctx, req)
     forced = tool_forcing(ctx, req)
-    spec = request_spec(req, tools=forced)
+    spec = request_spec(req, tools=forced, think=think_mode(text, ctx.reasoning_parser))
     guided = await ctx.grammars.get(spec) if spec is not None else None
     # The template already put BOS (or not) where the model wants it.
     ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")

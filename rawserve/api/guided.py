@@ -7,6 +7,7 @@ that compiled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import OrderedDict
 from collections.abc import Callable
@@ -14,13 +15,14 @@ from dataclasses import dataclass
 
 from rawserve.engine.guided.automaton import CompiledGrammar, compile_grammar
 from rawserve.engine.guided.gbnf import check_grammar, parse_gbnf
-from rawserve.engine.guided.grammar import Grammar, GrammarError, Token, alt, lit
+from rawserve.engine.guided.grammar import Grammar, GrammarError, Ref, Repeat, Token, alt, byte_set, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.regex import parse_regex
 from rawserve.engine.guided.tool_calls import tool_call_grammar
 from rawserve.errors import APIError
 from rawserve.text.tokenizer import Tokenizer
 
+ANY_BYTE = byte_set([(0, 255)])
 MAX_SPEC_CHARS = 256 * 1024  # a schema, pattern or grammar's text; larger ones are refused
 MAX_CHOICES = 4096
 CACHE_SIZE = 256
@@ -34,10 +36,13 @@ class GuidedSpec:
     kind: str  # json | json_object | regex | choice | grammar | tools
     text: str  # canonical JSON or the raw pattern/grammar; the cache key with the kind
     param: str
+    # A reasoning model's <think> block before the constrained answer: "" none, "open" (the prompt opened it:
+    # free text until </think>), "may" (the model may open one first).
+    think: str = ""
 
     @property
     def key(self) -> str:
-        return f"{self.kind}\x00{self.text}"
+        return f"{self.kind}\x00{self.think}\x00{self.text}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +64,7 @@ def _json_text(value: object, param: str) -> str:
     return json.dumps(value, ensure_ascii=False)  # key order kept: it is the output's property order
 
 
-def request_spec(req, *, tools: ToolForcing | None = None) -> GuidedSpec | None:
+def request_spec(req, *, tools: ToolForcing | None = None, think: str = "") -> GuidedSpec | None:
     """The one constraint a chat or completion request carries (400 if it names more than one)."""
     found: list[GuidedSpec] = []
     fmt = req.response_format
@@ -106,7 +111,7 @@ def request_spec(req, *, tools: ToolForcing | None = None) -> GuidedSpec | None:
         names = ", ".join(s.param for s in found)
         raise APIError(400, f"Only one structured output constraint may be given per request, got: {names}.",
                        param=found[1].param)
-    spec = found[0] if found else None
+    spec = dataclasses.replace(found[0], think=think) if found else None
     if spec is not None and len(spec.text) > MAX_SPEC_CHARS:
         raise APIError(400, f"{spec.param} is {len(spec.text)} characters; the limit is {MAX_SPEC_CHARS}.",
                        param=spec.param)
@@ -120,8 +125,39 @@ def _choice_text(choices: object, param: str) -> str:
     return json.dumps(choices, ensure_ascii=False)
 
 
+def think_mode(prompt: str, reasoning_parser: str | None) -> str:
+    """How a constrained answer starts for a reasoning model: after the block the prompt opened ("open"),
+    after an optional block the model opens itself ("may"), or at once ("": no reasoning parser, or the
+    template closed the block, as Qwen3's does for enable_thinking=False)."""
+    if not reasoning_parser:
+        return ""
+    opened = prompt.rfind("<think>")
+    if opened >= 0 and prompt.find("</think>", opened) < 0:
+        return "open"
+    return "" if prompt.rstrip().endswith("</think>") else "may"
+
+
+def with_reasoning(grammar: Grammar, think: str, tokenizer: Tokenizer) -> Grammar:
+    """Put the free-text reasoning block in front of the answer's grammar: any bytes, then </think> (the
+    added token when the vocabulary has one) and up to four newlines or spaces."""
+    if not think:
+        return grammar
+    resolve = _added_token_id(tokenizer)
+    open_tag, close_tag = (Token(t) if (t := resolve(text)) is not None else lit(text)
+                           for text in ("<think>", "</think>"))
+    block = seq(Repeat(ANY_BYTE, 0, None), close_tag, Repeat(byte_set([(0x0A, 0x0A), (0x20, 0x20)]), 0, 4))
+    prefix = block if think == "open" else Repeat(seq(open_tag, block), 0, 1)
+    rules = dict(grammar.rules)
+    rules["__reasoning_root"] = seq(prefix, Ref(grammar.start))
+    return Grammar(rules, "__reasoning_root")
+
+
 def build_grammar(spec: GuidedSpec, tokenizer: Tokenizer) -> Grammar:
-    """The spec as a grammar (GrammarError if it cannot be one)."""
+    """The spec as a grammar (GrammarError if it cannot be one), after any reasoning block."""
+    return with_reasoning(_answer_grammar(spec, tokenizer), spec.think, tokenizer)
+
+
+def _answer_grammar(spec: GuidedSpec, tokenizer: Tokenizer) -> Grammar:
     if spec.kind == "json":
         return schema_to_grammar(json.loads(spec.text))
     if spec.kind == "json_object":

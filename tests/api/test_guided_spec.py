@@ -1,0 +1,40 @@
+"""Request fields -> one grammar: the reasoning block in front of a constrained answer, and the cache key."""
+from __future__ import annotations
+
+import pytest
+
+from rawserve.api.guided import GuidedSpec, build_grammar, think_mode
+from rawserve.engine.guided.automaton import Automaton, compile_grammar
+from rawserve.engine.guided.grammar import TOKEN_BASE, symbols
+from rawserve.text.tokenizer import Tokenizer
+from tests.conftest import fixture_path
+
+SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(fixture_path("qwen3-tokenizer"))
+
+
+def test_think_mode_follows_the_rendered_prompt():
+    assert think_mode("<|im_start|>assistant\n", None) == ""
+    assert think_mode("<|im_start|>assistant\n", "qwen3") == "may"  # Qwen3 thinking: the model opens it
+    assert think_mode("<|im_start|>assistant\n<think>\n", "deepseek_r1") == "open"  # R1: the template opened it
+    assert think_mode("<|im_start|>assistant\n<think>\n\n</think>\n\n", "qwen3") == ""  # enable_thinking=False
+
+
+@pytest.mark.parametrize("think, answer_only, thought, continued", [
+    ("", True, False, False), ("may", True, True, False), ("open", False, False, True)])
+def test_reasoning_block_comes_before_the_constrained_answer(tok, think, answer_only, thought, continued):
+    start, end = TOKEN_BASE + tok.token_to_id("<think>"), TOKEN_BASE + tok.token_to_id("</think>")
+    a = Automaton(compile_grammar(build_grammar(GuidedSpec("json", SCHEMA, "guided_json", think), tok), think))
+    answer = symbols('{"a": 1}')
+    assert a.matches(answer) == answer_only
+    assert a.matches((start, *symbols("Let me think. {not json"), end, *symbols("\n\n"), *answer)) == thought
+    assert a.matches((*symbols("still thinking"), end, *symbols("\n\n"), *answer)) == continued
+    assert not a.matches((start, *symbols("x"), end, *symbols("\n\nno")))
+
+
+def test_the_reasoning_mode_is_part_of_the_cache_key():
+    assert GuidedSpec("json", SCHEMA, "p", "may").key != GuidedSpec("json", SCHEMA, "p").key
