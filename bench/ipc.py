@@ -57,6 +57,9 @@ class FakeStepCore:
     def abort_request(self, rid: str) -> None:
         self.running.pop(rid, None)
 
+    def take_queue_times(self) -> list[tuple[str, float]]:
+        return []  # nothing waits: every request runs from its first step
+
     def step(self) -> list[RequestOutput]:
         if self.step_s:
             time.sleep(self.step_s)  # the model's share of a step; releases the GIL like a GPU wait

@@ -15,7 +15,8 @@ import time
 import torch
 
 from rawserve.config import EngineConfig
-from rawserve.engine.model_runner import ModelRunner, StepInput
+from rawserve.engine.model_runner import ModelRunner
+from rawserve.engine.step_plan import ForwardBatch, StepInput
 
 
 def rev() -> str:
@@ -102,8 +103,9 @@ def main() -> None:
     bandwidth = copy_bandwidth_gb_s(device)
     read_bandwidth = read_bandwidth_gb_s(device)
     for batch in batches:
-        inputs = [StepInput([7], args.context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 1)
-                  for i in range(batch)]
+        inputs = ForwardBatch.last_tokens([StepInput([7], args.context,
+                                                     list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+                                           for i in range(batch)])
         ours = statistics.median(timed(lambda: runner.execute(inputs), args.reps))
         row = {**base, "phase": "decode", "batch": batch, "ours_step_ms": round(ours * 1e3, 2),
                "ours_tok_s": round(batch / ours, 2)}
@@ -139,7 +141,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     ids = list(range(10, 10 + args.prefill))
     table = list(range(-(-args.prefill // block)))
-    ours = statistics.median(timed(lambda: runner.execute([StepInput(ids, 0, table, 1)]), max(1, args.reps - 1)))
+    prefill = ForwardBatch.last_tokens([StepInput(ids, 0, table)])
+    ours = statistics.median(timed(lambda: runner.execute(prefill), max(1, args.reps - 1)))
     row = {**base, "phase": "prefill", "prompt_tokens": args.prefill, "ours_ms": round(ours * 1e3, 1),
            "ours_tok_s": round(args.prefill / ours, 1)}
     if hf is not None:

@@ -13,11 +13,12 @@ from rawserve.config import EngineConfig
 from rawserve.engine.guided.matcher import GuidedRegistry
 from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
-from rawserve.engine.model_runner import ModelRunner, StepInput
+from rawserve.engine.model_runner import ModelRunner
 from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
 from rawserve.engine.sampler import Sampler, token_logprobs
 from rawserve.engine.scheduler import Scheduler
+from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
 
 
@@ -104,7 +105,7 @@ class EngineCore:
         self.sampler.release(req)
         return RequestOutput(rid, [], finished=True, finish_reason="abort",
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-                             num_cached_tokens=max(req.num_cached_tokens, 0))
+                             num_cached_tokens=req.num_cached_tokens)
 
     def stats(self) -> EngineStats:
         blocks = self.blocks
@@ -114,67 +115,62 @@ class EngineCore:
             prefix_cache_queries=blocks.prefix_cache_queries, prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps)
 
+    def take_queue_times(self) -> list[tuple[str, float]]:
+        """(rid, seconds from queued to first scheduled) for the requests the last step admitted for the
+        first time (the scheduler times them); each is reported once."""
+        return self.scheduler.take_queue_times()
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update. One output per request that got a token this step; a
         request in the middle of its prompt outputs nothing until the chunk that finishes it."""
-        plan = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule()
         self.steps += 1
-        if not plan:
+        if not scheduled:
             return []
-        inputs = []
-        for req, num_new in plan:
-            start = req.num_computed_tokens
-            end = start + num_new
-            if not req.prompt_logprobs_done:
-                mode = 2  # every row: each predicts the next prompt token
-            elif end == len(req.token_ids):
-                mode = 1  # this chunk reaches the end: sample from its last row
-            else:
-                mode = 0  # a prompt chunk that does not finish it
-            inputs.append(StepInput(req.token_ids[start:end], start, req.block_ids, mode))
+        plan = StepPlan(scheduled)  # the batch's rows: which sample, which carry prompt logprobs
+        logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
+        self._commit_forward(plan)
+        if plan.prompt_spans:
+            self._collect_prompt_logprobs(logits, plan.prompt_spans)
+        reqs = plan.sample_reqs
+        if not reqs:
+            return []
+        logits = self._process_logits(plan, logits)  # [len(reqs), V], row i for reqs[i]
+        sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
+        return self._update(reqs, sampled.token_ids, sampled.logprobs)
 
-        logits = self.runner.execute(inputs)  # [num_rows, V] float32
+    def _commit_forward(self, plan: StepPlan) -> None:
+        """The forward wrote the KV of every scheduled token: count them computed, and publish the blocks they
+        filled to the prefix cache (before _update may finish a request and free its blocks)."""
+        blocks = self.blocks
+        caching = blocks.enable_prefix_caching
+        for req, num_new in plan.scheduled:
+            num_computed = req.num_computed_tokens + num_new
+            req.num_computed_tokens = num_computed
+            if caching and req.is_cacheable:
+                req.num_published_blocks = blocks.publish_full_blocks(
+                    req.block_ids, req.block_hashes, req.num_published_blocks, num_computed)
 
+    def _process_logits(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
+        """The forward's sampling rows, one per plan.sample_reqs, with the per-row logits processors applied.
+
+        Today's processor is each constrained row's grammar mask (EOS and stop ids only where the grammar may
+        end), in place. The sampler's own (min_tokens, logit_bias, penalties) follow it, batched over every row.
+        """
+        if not plan.samples_every_row:  # some rows were prompt-logprob rows: pick the sampling ones
+            rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)
+            logits = logits.index_select(0, rows)  # [len(sample_reqs), V]
+        for i, req in enumerate(plan.sample_reqs):
+            guided = req.guided
+            if guided is not None:
+                guided.mask().apply(logits[i], req.guided_end_ids)
+        return logits
+
+    def _update(self, reqs: list[Request], tokens: list[int], logprobs: list | None) -> list[RequestOutput]:
+        """Append each sampled token, advance its grammar, decide stop/length, and build the step's outputs."""
         bs = self.block_size
         caching = self.blocks.enable_prefix_caching
-        publish = self.blocks.cache_blocks
-        row = 0
-        sample_reqs: list[Request] = []
-        sample_rows: list[int] = []
-        prompt_chunks = []
-        for (req, num_new), inp in zip(plan, inputs):
-            end = inp.num_computed_tokens + num_new
-            req.num_computed_tokens = end
-            if caching and end // bs > req.num_published_blocks and req.is_cacheable:
-                publish(req.block_ids, req.block_hashes, req.num_published_blocks, end // bs)
-                req.num_published_blocks = end // bs
-            if inp.logits_mode == 1:
-                sample_reqs.append(req)
-                sample_rows.append(row)
-                row += 1
-            elif inp.logits_mode == 2:
-                prompt_chunks.append((req, row, inp.num_computed_tokens, num_new))
-                if end == len(req.token_ids):
-                    sample_reqs.append(req)
-                    sample_rows.append(row + num_new - 1)
-                row += num_new
-        if prompt_chunks:
-            self._collect_prompt_logprobs(logits, prompt_chunks)
-        if not sample_reqs:
-            return []
-        if row != len(sample_rows):  # some rows were prompt-logprob rows: pick the sampling ones
-            logits = logits.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=logits.device))
-        for i, req in enumerate(sample_reqs):  # grammar masks: constrained rows only
-            if req.guided is not None:
-                req.guided.mask().apply(logits[i], req.guided_end_ids)
-        sampled = self.sampler.sample(logits, sample_reqs, may_overwrite=True)
-        return self._update(sample_reqs, sampled.token_ids, sampled.logprobs, caching)
-
-    def _update(self, reqs: list[Request], tokens: list[int], logprobs: list | None,
-                caching: bool) -> list[RequestOutput]:
-        """Append each sampled token, decide stop/length, and build the step's outputs."""
-        bs = self.block_size
         max_model_len = self.max_model_len
         outputs = []
         for i, req in enumerate(reqs):
@@ -211,7 +207,7 @@ class EngineCore:
                 self.sampler.release(req)
         return outputs
 
-    def _collect_prompt_logprobs(self, logits: torch.Tensor, chunks: list[tuple[Request, int, int, int]]) -> None:
+    def _collect_prompt_logprobs(self, logits: torch.Tensor, chunks: list[PromptSpan]) -> None:
         """Rows of a prompt chunk predict the prompt's next tokens; gather their raw logprobs in one pass.
 
         Accumulated on the request across chunks and sent once, with its first output.
@@ -220,7 +216,8 @@ class EngineCore:
         targets: list[int] = []
         num_top: list[int] = []
         spans = []
-        for req, first_row, start, num_new in chunks:
+        for chunk in chunks:
+            req, first_row, start, num_new = chunk.req, chunk.first_row, chunk.start, chunk.num_tokens
             # Row j predicts the token at start + j + 1, a prompt token only while that is < num_prompt.
             count = max(0, min(num_new, req.num_prompt_tokens - 1 - start))
             spans.append((req, start, num_new, len(rows), count))

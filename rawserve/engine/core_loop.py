@@ -43,8 +43,8 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
 
     Out (MsgKind): READY {max_model_len, num_blocks, vocab_size, pid}, OUTPUTS [RequestOutput] once per
     step, ERROR (rid, message), FATAL message, STATS EngineStats every stats_interval_s while busy and
-    whenever the core goes idle, QUEUED [(rid, seconds)] when requests are first scheduled. Several go
-    out in one send.
+    whenever the core goes idle, QUEUED [(rid, seconds)] when requests are first scheduled (the
+    scheduler times them: `core.take_queue_times()` after each step). Several go out in one send.
     """
     try:
         try:
@@ -75,7 +75,6 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
 def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float) -> None:
     # In a spawned child, a parent killed by SIGKILL never closes our input; poll for it when idle.
     parent = multiprocessing.parent_process()
-    queue_times = _QueueTimes(core)
     was_busy = False
     last_stats = time.monotonic()
     while True:
@@ -100,7 +99,6 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
                 try:
                     core.add_request(payload.rid, payload.prompt_ids, payload.params, payload.priority,
                                      lora=payload.lora, features=payload.features, cache_salt=payload.cache_salt)
-                    queue_times.added(payload.rid)
                 except ValueError as error:  # rejected: this request fails alone
                     replies.append((MsgKind.ERROR, (payload.rid, str(error))))
                 except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
@@ -108,7 +106,6 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
                     _send(outputs, [*replies, (MsgKind.FATAL, f"engine add_request failed: {error!r}")])
                     return
             elif kind == MsgKind.ABORT:
-                queue_times.aborted(payload)
                 try:
                     core.abort_request(payload)
                 except Exception as error:  # noqa: BLE001 - state unknown: fatal, seen by every request
@@ -121,11 +118,10 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             _send(outputs, replies)
             continue
         try:
-            step_started = time.monotonic()
             step_outputs = core.step()
             if step_outputs:
                 replies.append((MsgKind.OUTPUTS, step_outputs))
-            queued = queue_times.scheduled(step_started)
+            queued = core.take_queue_times()  # the scheduler timed them: queued -> first scheduled
             if queued:
                 replies.append((MsgKind.QUEUED, queued))
             now = time.monotonic()
@@ -138,36 +134,3 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             return
         was_busy = True  # it stepped: report stats when it next finds itself idle
         _send(outputs, replies)
-
-
-class _QueueTimes:
-    """When each request was first scheduled, for request_queue_time_seconds (vLLM: queued -> scheduled).
-
-    EngineCore reports no scheduling times, so this reads its request table: a Request's
-    num_cached_tokens is -1 until the scheduler first admits it. A core without `requests` (a test
-    fake) reports none. Preemption and re-queueing are not counted, as in vLLM.
-    """
-
-    def __init__(self, core: Any) -> None:
-        self._requests = getattr(core, "requests", None)
-        self._since: dict[str, float] = {}
-
-    def added(self, rid: str) -> None:
-        if self._requests is not None:
-            self._since[rid] = time.monotonic()
-
-    def aborted(self, rid: str) -> None:
-        self._since.pop(rid, None)
-
-    def scheduled(self, step_started: float) -> list[tuple[str, float]]:
-        """(rid, seconds waited) for requests the step that began at step_started admitted."""
-        if not self._since:
-            return []
-        done = []
-        for rid, since in self._since.items():
-            req = self._requests.get(rid)
-            if req is None or req.num_cached_tokens >= 0:  # admitted (None: admitted and finished this step)
-                done.append((rid, max(step_started - since, 0.0)))
-        for rid, _ in done:
-            del self._since[rid]
-        return done

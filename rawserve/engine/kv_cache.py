@@ -151,6 +151,20 @@ class KVCacheManager:
                     self.free_plain.append(block)
         block_ids.clear()
 
+    def publish_full_blocks(self, block_ids: list[int], block_hashes: list[bytes], num_published: int,
+                            num_computed_tokens: int) -> int:
+        """Publish the blocks of a table that its first num_computed_tokens tokens fill, past the
+        num_published already offered. Returns the new count of published leading blocks.
+
+        Called after each forward: a block is published once full and its KV written, never before, so a
+        request admitted in the same step cannot read it half-computed.
+        """
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= num_published or not self.enable_prefix_caching:
+            return num_published
+        self.cache_blocks(block_ids, block_hashes, num_published, num_full)
+        return num_full
+
     def cache_blocks(self, block_ids: list[int], block_hashes: list[bytes], start: int, end: int) -> None:
         """Publish blocks start..end-1 of a table (full, their KV written) under their keys.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import pathlib
 import platform
-from dataclasses import dataclass
 
 import torch
 
@@ -15,18 +14,11 @@ from rawserve.config import EngineConfig
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, load_weights, read_model_config
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
+from rawserve.engine.step_plan import ForwardBatch
 
 log = logging.getLogger("rawserve.engine")
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class StepInput:
-    token_ids: list[int]  # tokens to compute this step (a prefill chunk, or the one decode token)
-    num_computed_tokens: int  # tokens of this sequence already in the KV cache; positions start here
-    block_table: list[int]  # KV block ids covering positions [0, num_computed_tokens + len(token_ids))
-    logits_mode: int  # 0: none, 1: last token's logits, 2: every token's logits (prompt logprobs)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -121,15 +113,15 @@ class ModelRunner:
         useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(budget, useful))
 
-    def _metadata(self, inputs: list[StepInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                          torch.Tensor]:
+    def _metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                      torch.Tensor]:
+        inputs = batch.seqs
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        logit_rows: list[int] = []
         decode_seq: list[int] = []
         decode_tok: list[int] = []
         prefill_seq: list[int] = []
@@ -147,10 +139,6 @@ class ModelRunner:
                 positions.extend(pos)
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
             offset = starts[-1]
-            if inp.logits_mode == 1:
-                logit_rows.append(offset + n - 1)
-            elif inp.logits_mode == 2:
-                logit_rows.extend(range(offset, offset + n))
             starts.append(offset + n)
             seq_len = start + n
             seq_lens.append(seq_len)
@@ -180,16 +168,16 @@ class ModelRunner:
             prefill_seq_ids=prefill_seq, block_size=bs)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
-                torch.tensor(logit_rows, dtype=torch.int64, device=dev))
+                torch.tensor(batch.logit_indices, dtype=torch.int64, device=dev))
 
     @torch.inference_mode()
-    def execute(self, inputs: list[StepInput]) -> torch.Tensor:
-        """One forward over the flattened batch -> float32 logits [num_rows, vocab_size].
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward over the flattened batch -> float32 logits [len(batch.logit_indices), vocab_size].
 
-        For each input in order: 0 rows (mode 0), 1 row (mode 1: its last token), or len(token_ids)
-        rows (mode 2: row i predicts the token after token_ids[i]).
+        Row r is flattened token batch.logit_indices[r]'s, predicting the token after it; which rows a step
+        needs is the StepPlan's to say.
         """
-        input_ids, positions, meta, rows = self._metadata(inputs)
+        input_ids, positions, meta, rows = self._metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         if rows.numel() == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)

@@ -29,7 +29,7 @@ class Request:
         "block_hashes", "hash_extra", "is_cacheable", "num_published_blocks", "status", "finish_reason",
         "stop_reason", "eos_ids", "stop_ids", "min_tokens_ban", "prompt_logprobs", "prompt_logprobs_done",
         "generator", "penalty_slot", "needs_penalties", "is_plain_greedy", "bias_ids", "bias_values",
-        "sampling_row", "guided", "guided_end_ids",
+        "sampling_row", "guided", "guided_end_ids", "queued_at_s",
     )
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -46,7 +46,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_ids)
         self.num_output_tokens = 0
         self.num_computed_tokens = 0  # tokens whose KV is in this request's blocks
-        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # one key per full block of token_ids
         self.hash_extra = extra_key(lora, cache_salt)
@@ -55,6 +55,7 @@ class Request:
         self.is_cacheable = features is None
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = RequestStatus.WAITING
+        self.queued_at_s = 0.0  # the scheduler's clock when it was queued (time.monotonic by default)
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         # EOS ends a request with stop_reason None; an explicit stop id reports itself (as vLLM does).

@@ -8,20 +8,26 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import time
+from collections.abc import Callable
 
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.request import Request, RequestStatus
 
 
 class Scheduler:
-    """One step's plan is a list of (request, num_new_tokens).
+    """One step's choice is a list of (request, num_new_tokens); StepPlan lays it out as a batch.
 
     Decodes are served before prefill chunks, so a long prompt spread over steps takes only the budget the
     running decodes leave. `running` stays sorted by (priority, arrival), so the request to preempt, the
     lowest-priority latest one, is always its last element.
+
+    It also times each request's wait, queued to first scheduled (request_queue_time_seconds, as vLLM
+    measures it: a preempted request's second wait is not counted), for the core loop to report.
     """
 
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -34,6 +40,10 @@ class Scheduler:
         self._tiebreak = itertools.count()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._clock = clock
+        # (rid, seconds queued) of the requests the last schedule() admitted for the first time. Replaced by
+        # each schedule(), so it stays bounded when nobody takes it (the offline engine, benches).
+        self._queue_times: list[tuple[str, float]] = []
         self._has_finished_running = False  # running holds finished requests to drop at the next step
 
     @property
@@ -52,6 +62,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        req.queued_at_s = self._clock()
         heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
 
     def finish(self, req: Request, reason: str, stop_reason: int | None = None) -> None:
@@ -68,6 +79,14 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.kv.free(req.block_ids)
+
+    def take_queue_times(self) -> list[tuple[str, float]]:
+        """(rid, seconds from queued to first scheduled) for each request the last schedule() admitted for
+        the first time; each is reported once."""
+        times = self._queue_times
+        if times:
+            self._queue_times = []
+        return times
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
@@ -93,6 +112,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
+        queue_times: list[tuple[str, float]] = []
+        self._queue_times = queue_times
+        now = self._clock() if self.waiting else 0.0  # the step's start: where a wait it ends, ends
 
         # Decodes first (one token each), then chunks of prompts already under way.
         decodes, prefills = [], []
@@ -134,8 +156,9 @@ class Scheduler:
                 heapq.heappop(waiting)
                 if use_cache:
                     kv.record_lookup(num_tokens, num_cached)
-                if req.num_cached_tokens < 0:
+                if req.status is RequestStatus.WAITING:  # its first admission (a preempted one resumes)
                     req.num_cached_tokens = num_cached
+                    queue_times.append((req.rid, max(now - req.queued_at_s, 0.0)))
                 req.num_computed_tokens = num_cached
                 req.num_published_blocks = len(hits)
                 req.status = RequestStatus.RUNNING

@@ -39,6 +39,9 @@ class FakeCore:
     def abort_request(self, rid):
         self.running.pop(rid, None)
 
+    def take_queue_times(self) -> list[tuple[str, float]]:
+        return []
+
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         if self.steps == self.fail_at:

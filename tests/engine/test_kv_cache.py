@@ -165,3 +165,27 @@ def test_bad_pool_sizes_are_rejected_by_name():
         KVCacheManager(0, 4)
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(4, 0)
+
+
+def test_publish_full_blocks_publishes_only_newly_filled_blocks_and_returns_the_count():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(16))
+    hashes = keys(tokens)
+    a: list[int] = []
+    assert kv.allocate(a, 16)
+    assert kv.publish_full_blocks(a, hashes, 0, 3) == 0  # no block full yet
+    assert kv.lookup(hashes, 4) == []
+    assert kv.publish_full_blocks(a, hashes, 0, 9) == 2  # tokens 0..8: two full blocks
+    assert kv.lookup(hashes, 4) == a[:2]
+    assert kv.publish_full_blocks(a, hashes, 2, 11) == 2  # still two
+    assert kv.publish_full_blocks(a, hashes, 2, 16) == 4
+    assert kv.lookup(hashes, 4) == a
+
+
+def test_publish_full_blocks_is_a_no_op_without_prefix_caching():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    tokens = list(range(8))
+    a: list[int] = []
+    assert kv.allocate(a, 8)
+    assert kv.publish_full_blocks(a, keys(tokens), 0, 8) == 0
+    assert kv.cached == {}

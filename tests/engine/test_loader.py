@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from rawserve.config import EngineConfig
 from rawserve.engine.loader import CheckpointError, read_model_config
-from rawserve.engine.model_runner import ModelRunner, StepInput, load_model, resolve_dtype
+from rawserve.engine.model_runner import ModelRunner, load_model, resolve_dtype
+from rawserve.engine.step_plan import ForwardBatch, StepInput
 from tests.checkpoints import make_hf_checkpoint
 from tests.conftest import fixture_path
 
@@ -143,7 +144,7 @@ def test_stories260k_greedy_reproduces_golden_ids():
                                       num_kv_blocks=8))
     prompt = [1, 403, 407, 261, 378]
     table = [5, 2, 7, 0]
-    logits = runner.execute([StepInput(prompt, 0, table, 1)])
+    logits = runner.execute(ForwardBatch.last_tokens([StepInput(prompt, 0, table)]))
     top5 = logits[0].topk(5)
     assert top5.indices.tolist() == [432, 383, 322, 353, 323]
     torch.testing.assert_close(top5.values, torch.tensor([17.7994, 14.2813, 9.7097, 9.5873, 9.1342]),
@@ -151,7 +152,7 @@ def test_stories260k_greedy_reproduces_golden_ids():
     out = []
     for step in range(40):
         out.append(int(logits[0].argmax()))
-        logits = runner.execute([StepInput([out[-1]], len(prompt) + step, table, 1)])
+        logits = runner.execute(ForwardBatch.last_tokens([StepInput([out[-1]], len(prompt) + step, table)]))
     assert out == GOLDEN_40
 
 

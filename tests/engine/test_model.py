@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rawserve.config import EngineConfig
-from rawserve.engine.model_runner import ModelRunner, StepInput
+from rawserve.engine.model_runner import ModelRunner
+from rawserve.engine.step_plan import ForwardBatch, StepInput
 from tests.checkpoints import load_hf_model, make_hf_checkpoint
 
 CASES = [("qwen3", False), ("qwen3", True), ("qwen2", False), ("llama", True), ("llama", False)]
@@ -38,7 +39,7 @@ def prefill_in_chunks(runner: ModelRunner, ids: list[int], table: list[int], cut
     """Run ids[start:] through the cache in chunks ending at `cuts`; every token's logits."""
     out = []
     for end in cuts:
-        out.append(runner.execute([StepInput(ids[start:end], start, table, 2)]))
+        out.append(runner.execute(ForwardBatch.every_token([StepInput(ids[start:end], start, table)])))
         start = end
     return torch.cat(out)
 
@@ -59,12 +60,12 @@ def test_greedy_decode_through_paged_cache_equals_transformers_generate(checkpoi
     ids = prompt_ids(9, seed=1)
     runner = make_runner(checkpoint)
     table = blocks_for(9 + 20)
-    logits = runner.execute([StepInput(ids, 0, table, 1)])
+    logits = runner.execute(ForwardBatch.last_tokens([StepInput(ids, 0, table)]))
     tokens = []
     for step in range(20):
         tokens.append(int(logits[-1].argmax()))
         if step < 19:
-            logits = runner.execute([StepInput([tokens[-1]], len(ids) + step, table, 1)])
+            logits = runner.execute(ForwardBatch.last_tokens([StepInput([tokens[-1]], len(ids) + step, table)]))
     hf = load_hf_model(checkpoint)
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
@@ -94,11 +95,11 @@ def test_batched_mixed_prefill_and_decode_equals_separate_runs(checkpoint):
     runner = make_runner(checkpoint)
     a, b = prompt_ids(10, seed=4), prompt_ids(6, seed=5)
     ta, tb = blocks_for(11), blocks_for(6, first=30)
-    runner.execute([StepInput(a, 0, ta, 0)])
-    alone_a = runner.execute([StepInput([7], 10, ta, 1)])
-    alone_b = runner.execute([StepInput(b, 0, tb, 1)])
+    runner.execute(ForwardBatch([StepInput(a, 0, ta)], []))
+    alone_a = runner.execute(ForwardBatch.last_tokens([StepInput([7], 10, ta)]))
+    alone_b = runner.execute(ForwardBatch.last_tokens([StepInput(b, 0, tb)]))
     tb2 = blocks_for(6, first=50)
-    both = runner.execute([StepInput([7], 10, ta, 1), StepInput(b, 0, tb2, 1)])
+    both = runner.execute(ForwardBatch.last_tokens([StepInput([7], 10, ta), StepInput(b, 0, tb2)]))
     torch.testing.assert_close(both, torch.cat([alone_a, alone_b]), atol=1e-5, rtol=1e-5)
 
 

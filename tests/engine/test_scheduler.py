@@ -31,10 +31,8 @@ def advance(sched: Scheduler, plan, token=7):
     done = []
     for req, n in plan:
         req.num_computed_tokens += n
-        full = req.num_computed_tokens // kv.block_size
-        if full > req.num_published_blocks:
-            kv.cache_blocks(req.block_ids, req.block_hashes, req.num_published_blocks, full)
-            req.num_published_blocks = full
+        req.num_published_blocks = kv.publish_full_blocks(req.block_ids, req.block_hashes, req.num_published_blocks,
+                                                          req.num_computed_tokens)
         if req.num_computed_tokens == req.num_tokens:
             req.token_ids.append(token)
             req.num_output_tokens += 1
@@ -197,3 +195,66 @@ def test_any_workload_that_fits_finishes_without_leaks(lens, num_blocks, budget,
     run_to_completion(sched, on_plan=check)
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
     assert sched.kv.num_free_blocks == num_blocks and set(sched.kv.ref_counts) == {0}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_queue_time_runs_from_queued_to_first_scheduled_and_is_reported_once():
+    clock = FakeClock()
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=1, max_num_batched_tokens=64, clock=clock)
+    first, second = make("first", 4, 2), make("second", 4, 2, first_token=40)
+    sched.add(first)
+    clock.now += 0.5
+    sched.add(second)
+    clock.now += 1.0
+    advance(sched, sched.schedule())
+    assert sched.take_queue_times() == [("first", 1.5)]
+    assert sched.take_queue_times() == []  # taken once
+    clock.now += 2.0
+    advance(sched, sched.schedule())  # first finishes (max_tokens=2); second still waits for the seat
+    assert sched.take_queue_times() == []
+    clock.now += 0.25
+    sched.schedule()
+    assert sched.take_queue_times() == [("second", 3.25)]
+
+
+def test_queue_times_not_taken_are_dropped_by_the_next_schedule():
+    sched = scheduler()
+    sched.add(make("a"))
+    sched.schedule()
+    sched.schedule()  # nobody took a's: the list holds the last step's admissions only
+    assert sched.take_queue_times() == []
+
+
+def test_a_preempted_request_resuming_reports_no_second_queue_time():
+    sched = scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b, c = make("a", 8, 4, first_token=10), make("b", 8, 4, first_token=30), make("c", 8, 4, first_token=50)
+    for r in (a, b, c):
+        sched.add(r)
+    advance(sched, sched.schedule())
+    assert [rid for rid, _ in sched.take_queue_times()] == ["a", "b", "c"]
+    reported = []
+    for _ in range(100):
+        if not sched.has_unfinished:
+            break
+        advance(sched, sched.schedule())
+        reported += sched.take_queue_times()
+    assert sched.num_preemptions >= 1 and reported == []
+
+
+def test_an_aborted_waiting_request_reports_no_queue_time():
+    sched = scheduler(max_num_seqs=1)
+    running, waiting = make("run"), make("wait", first_token=40)
+    sched.add(running)
+    sched.add(waiting)
+    sched.schedule()
+    assert [rid for rid, _ in sched.take_queue_times()] == ["run"]
+    sched.finish(waiting, "abort")
+    sched.schedule()
+    assert sched.take_queue_times() == []

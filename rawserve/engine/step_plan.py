@@ -1,0 +1,104 @@
+"""StepPlan: one step's batch layout, from the scheduler's choice: each sequence's token slice, which logit
+rows the forward returns, which of them are sampled and which carry prompt logprobs.
+
+Plain bookkeeping, no torch and no decisions: who runs is the scheduler's, what a row means is decided here once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rawserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class StepInput:
+    token_ids: list[int]  # tokens to compute this step (a prefill chunk, or the one decode token)
+    num_computed_tokens: int  # tokens of this sequence already in the KV cache; positions start here
+    block_table: list[int]  # KV block ids covering positions [0, num_computed_tokens + len(token_ids))
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """What the model runner sees of a step: plain ids and tables, never a Request.
+
+    The batch is the sequences' tokens flattened in order; logits row r is for flattened token
+    logit_indices[r] (it predicts the token after that one).
+    """
+
+    seqs: list[StepInput]
+    logit_indices: list[int]
+
+    @classmethod
+    def last_tokens(cls, seqs: list[StepInput]) -> ForwardBatch:
+        """One row per sequence, its last token's: what a decode, or a prompt's final chunk, samples from."""
+        indices = []
+        end = 0
+        for seq in seqs:
+            end += len(seq.token_ids)
+            indices.append(end - 1)
+        return cls(seqs, indices)
+
+    @classmethod
+    def every_token(cls, seqs: list[StepInput]) -> ForwardBatch:
+        """A row for every token (row i predicts the token after flattened token i)."""
+        return cls(seqs, list(range(sum(len(seq.token_ids) for seq in seqs))))
+
+
+@dataclass(slots=True)
+class PromptSpan:
+    """A chunk of a prompt whose rows predict the prompt's next tokens (for prompt logprobs)."""
+
+    req: Request
+    first_row: int  # its first logits row; row first_row + j predicts the token at start + j + 1
+    start: int  # tokens computed before this chunk
+    num_tokens: int  # tokens in this chunk (one row each)
+
+
+class StepPlan:
+    """Built from the scheduler's [(request, num_new_tokens)], before the forward, read by the runner (`batch`)
+    and by EngineCore (the rest). The layout per request:
+
+    - prompt logprobs still wanted: a row per token of its chunk (a PromptSpan); it also samples, from the
+      chunk's last row, when the chunk reaches the end of its tokens;
+    - otherwise, a chunk that reaches the end of its tokens (a decode, or a prompt's last chunk): one row, its
+      last token's, sampled;
+    - otherwise (a prompt chunk that does not finish it): no row.
+    """
+
+    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans")
+
+    def __init__(self, scheduled: list[tuple[Request, int]]) -> None:
+        self.scheduled = scheduled  # the scheduler's choice, in batch order
+        seqs: list[StepInput] = []
+        logit_indices: list[int] = []
+        self.sample_reqs: list[Request] = []  # requests that get a token this step, in logits-row order
+        self.sample_rows: list[int] = []  # their logits rows
+        self.prompt_spans: list[PromptSpan] = []
+        sample_reqs = self.sample_reqs
+        sample_rows = self.sample_rows
+        offset = 0  # flattened index of this sequence's first token
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            end = start + num_new
+            token_ids = req.token_ids
+            seqs.append(StepInput(token_ids[start:end], start, req.block_ids))
+            if not req.prompt_logprobs_done:
+                first_row = len(logit_indices)
+                logit_indices.extend(range(offset, offset + num_new))
+                self.prompt_spans.append(PromptSpan(req, first_row, start, num_new))
+                if end == len(token_ids):
+                    sample_reqs.append(req)
+                    sample_rows.append(first_row + num_new - 1)
+            elif end == len(token_ids):
+                sample_reqs.append(req)
+                sample_rows.append(len(logit_indices))
+                logit_indices.append(offset + num_new - 1)
+            offset += num_new
+        self.batch = ForwardBatch(seqs, logit_indices)
+
+    @property
+    def samples_every_row(self) -> bool:
+        """True when every logits row is sampled, in order (no prompt-logprob rows): no selection needed."""
+        return len(self.sample_rows) == len(self.batch.logit_indices)
