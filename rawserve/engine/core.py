@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from rawserve.config import EngineConfig
-from rawserve.engine.guided.matcher import GuidedRegistry
+from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
 from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.model_runner import ModelRunner
@@ -161,10 +161,10 @@ class EngineCore:
         if not plan.samples_every_row:  # some rows were prompt-logprob rows: pick the sampling ones
             rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows)  # [len(sample_reqs), V]
-        for i, req in enumerate(plan.sample_reqs):
-            guided = req.guided
-            if guided is not None:
-                guided.mask().apply(logits[i], req.guided_end_ids)
+        constrained = [(i, req.guided, req.guided_end_ids) for i, req in enumerate(plan.sample_reqs)
+                       if req.guided is not None]
+        if constrained:
+            apply_masks(logits, constrained)
         return logits
 
     def _update(self, reqs: list[Request], tokens: list[int], logprobs: list | None) -> list[RequestOutput]:

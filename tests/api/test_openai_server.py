@@ -162,7 +162,7 @@ def test_streamed_completion_logprobs_cover_every_token(client):
     ({"messages": HELLO, "max_tokens": 5000}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": HELLO, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": HELLO, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
     ({"messages": HELLO, "logit_bias": {"999999": 5}}, 400, "logit_bias"),
     ({"messages": HELLO, "n": True}, 400, "n"),
     ({"messages": HELLO, "stop": ["x"] * 65}, 400, "stop"),
