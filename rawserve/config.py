@@ -1,17 +1,26 @@
 """EngineConfig and ServerConfig: the only lists of knobs. One field is one CLI flag.
 
 Standard library only. `build_parser` makes argparse from the fields' metadata, so `--help` and
-the dataclasses cannot drift apart; `__post_init__` checks ranges and names the flag.
+the dataclasses cannot drift apart; `__post_init__` checks ranges and names the flag. A field may carry
+vLLM's name for the same knob as an alias (metadata "aliases"), so a `vllm serve` line mostly carries over.
+
+Every flag may also come from the environment as RAWSERVE_<FLAG> (containers); the command line wins.
+That is read here, in `build_parser`, and nowhere else: configs built in code see no environment.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+GENERATION_CONFIGS = ("auto", "vllm")  # or a directory
+ENV_PREFIX = "RAWSERVE_"
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch",)  # triton kernels are planned; the portable backend runs everywhere
 ENGINE_MODES = ("thread", "process")
@@ -29,12 +38,14 @@ def _check(ok: bool, name: str, message: str) -> None:
 @dataclass(slots=True)
 class EngineConfig:
     model_dir: str | None = field(default=None, metadata={
-        "help": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer). "
-                "Without it the built-in tiny demo model is used."})
+        "help": "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer); also "
+                "`rawserve serve DIR` and vLLM's --model. Without it the built-in tiny demo model is used.",
+        "aliases": ("--model",)})
     dtype: str = field(default="auto", metadata={
-        "help": "Weight and activation dtype: auto|float32|bfloat16|float16. auto is the checkpoint's "
-                "dtype on a GPU, and float32 on a CPU without native bf16 arithmetic.",
-        "choices": DTYPES})
+        "help": "Weight and activation dtype: auto|float32|bfloat16|float16 (vLLM's half, float, also "
+                "accepted). auto is the checkpoint's dtype on a GPU, and float32 on a CPU without native "
+                "bf16 arithmetic.",
+        "choices": (*DTYPES, *DTYPE_ALIASES)})
     device: str = field(default="auto", metadata={
         "help": "auto|cpu|cuda. auto picks cuda when available.", "choices": DEVICES})
     max_model_len: int | None = field(default=None, metadata={
@@ -43,7 +54,11 @@ class EngineConfig:
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV cache size in blocks. Overrides --kv-cache-memory-gb."})
     kv_cache_memory_gb: float = field(default=1.0, metadata={
-        "help": "KV cache budget in GiB, used when --num-kv-blocks is not given."})
+        "help": "KV cache budget in GiB, used when --num-kv-blocks and (on a GPU) "
+                "--gpu-memory-utilization are not given."})
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "vLLM's flag: on a GPU, size the KV cache as this fraction (0..1] of the device memory "
+                "free once the weights are loaded. Overrides --kv-cache-memory-gb there; ignored on a CPU."})
     max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step's batch."})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "Token budget of one step (prefill chunks + decodes)."})
@@ -55,6 +70,7 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         _check(self.dtype in DTYPES, "dtype", f"must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {'|'.join(DEVICES)}, got {self.device!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
@@ -64,6 +80,8 @@ class EngineConfig:
                f"must be a power of two, got {self.block_size}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
+        _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
 
@@ -91,7 +109,8 @@ class ServerConfig:
     sse_ping_interval_s: float = field(default=15.0, metadata={
         "help": "Interval of ': ping' comments while a stream waits (0 disables)."})
     drain_timeout_s: float = field(default=30.0, metadata={
-        "help": "On SIGTERM/SIGINT, time for in-flight requests to finish before exit."})
+        "help": "On SIGTERM/SIGINT, time for in-flight requests to finish before exit (vLLM: "
+                "--shutdown-timeout).", "aliases": ("--shutdown-timeout",)})
     engine_mode: str = field(default="process", metadata={
         "help": "Run the engine core in a spawned process or a thread.", "choices": ENGINE_MODES})
     max_pending: int = field(default=1024, metadata={"help": "Requests in flight at most; 503 past it."})
@@ -101,6 +120,22 @@ class ServerConfig:
     tool_call_parser: str = field(default="hermes", metadata={"help": "Tool-call output parser by name."})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "Reasoning output parser by name (e.g. qwen3); None: no reasoning split."})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "Accepted for vLLM command lines; changes nothing: tool calls are always parsed when a "
+                "request lists tools."})
+    generation_config: str = field(default="auto", metadata={
+        "help": "Where unset sampling fields come from: auto (the checkpoint's generation_config.json), "
+                "vllm (neutral defaults, the file ignored), or a directory holding a generation_config.json. "
+                "EOS ids always come from the checkpoint."})
+    log_requests: bool = field(default=True, metadata={
+        "help": "An access log line per request (vLLM's --enable-log-requests / --disable-log-requests "
+                "also work).", "aliases": ("--enable-log-requests",), "negative_aliases": ("--disable-log-requests",)})
+    log_level: str = field(default="info", metadata={
+        "help": "Log level of the server and the engine process (vLLM: --uvicorn-log-level).",
+        "choices": LOG_LEVELS, "aliases": ("--uvicorn-log-level",)})
+    ssl_keyfile: str | None = field(default=None, metadata={
+        "help": "PEM private key: serve HTTPS (with --ssl-certfile) on the same asyncio stack."})
+    ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate chain for --ssl-keyfile."})
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
@@ -111,6 +146,16 @@ class ServerConfig:
         for name in ("max_header_bytes", "max_body_bytes", "max_connections", "max_pending"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(self.engine_mode in ENGINE_MODES, "engine_mode", f"must be thread|process, got {self.engine_mode!r}")
+        self.log_level = self.log_level.lower()
+        _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {'|'.join(LOG_LEVELS)}, got {self.log_level!r}")
+        _check(self.generation_config in GENERATION_CONFIGS or os.path.isdir(self.generation_config),
+               "generation_config", f"must be auto, vllm or a directory, got {self.generation_config!r}")
+        _check((self.ssl_keyfile is None) == (self.ssl_certfile is None), "ssl_certfile",
+               "--ssl-keyfile and --ssl-certfile go together")
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
 
 
 def _scalar_type(tp: typing.Any) -> typing.Any:
@@ -141,14 +186,62 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             kwargs["type"] = _scalar_type(tp)
             kwargs["default"] = f.default
-        group.add_argument(flag(f.name), **kwargs)
+        group.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
+        for negative in f.metadata.get("negative_aliases", ()):
+            group.add_argument(negative, dest=f.name, action="store_false", help=f"Same as --no-{flag(f.name)[2:]}.")
 
 
-def build_parser(prog: str = "python -m rawserve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="rawserve: an OpenAI-compatible LLM server.")
+def build_parser(prog: str = "rawserve serve", environ: typing.Mapping[str, str] | None = None
+                 ) -> argparse.ArgumentParser:
+    """The server's flags, with defaults from RAWSERVE_<FLAG> in `environ` (default: os.environ).
+    No prefix matching: `--model X` is --model-dir because it says so, and `--mod X` is an error."""
+    parser = argparse.ArgumentParser(prog=prog, description="rawserve: an OpenAI-compatible LLM server.",
+                                     allow_abbrev=False)
     add_arguments(parser, EngineConfig)
     add_arguments(parser, ServerConfig)
+    apply_environment(parser, os.environ if environ is None else environ)
     return parser
+
+
+def env_name(action: argparse.Action) -> str:
+    """RAWSERVE_API_KEY for --api-key: the flag's first (canonical) name."""
+    return ENV_PREFIX + action.option_strings[0][2:].upper().replace("-", "_")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def apply_environment(parser: argparse.ArgumentParser, environ: typing.Mapping[str, str]) -> None:
+    """Set each flag's default from RAWSERVE_<FLAG> (a list flag takes comma-separated values; a switch
+    1/0, true/false, yes/no, on/off). A bad value is a parser error naming the variable."""
+    seen: set[str] = set()
+    for action in parser._actions:
+        if not action.option_strings or not action.option_strings[0].startswith("--") or action.dest in seen:
+            continue
+        if action.dest == "help" or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        seen.add(action.dest)  # a negative alias shares the dest; the canonical flag came first
+        name = env_name(action)
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction,
+                                   argparse._StoreFalseAction)):
+                if raw.strip().lower() not in _TRUE + _FALSE:
+                    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+                value: typing.Any = raw.strip().lower() in _TRUE
+            elif isinstance(action, argparse._AppendAction):
+                convert = action.type or str
+                value = [convert(item.strip()) for item in raw.split(",") if item.strip()]
+            else:
+                value = (action.type or str)(raw)
+            items = value if isinstance(value, list) else [value]
+            if action.choices is not None and any(v not in action.choices for v in items):
+                raise ValueError(f"must be one of {'|'.join(map(str, action.choices))}")
+        except ValueError as error:
+            parser.error(f"{name}={raw!r}: {error}")
+        parser.set_defaults(**{action.dest: value})
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:

@@ -1,17 +1,22 @@
 """Assemble the OpenAI server: tokenizer, template and defaults from the checkpoint, the engine frontend,
-the routes, and the HTTP server's lifecycle (start, graceful drain, engine stop).
+the routes (each with its access line), and the HTTP server's lifecycle (start, startup summary, stats
+lines while busy, graceful drain, engine stop).
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import logging
 import pathlib
 from collections.abc import Callable
 
 from rawserve.api import admin
+from rawserve.api.access_log import logged
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
 from rawserve.api.serving import ServingContext
+from rawserve.api.status_log import StatsLogger, startup_summary
 from rawserve.config import EngineConfig, ServerConfig
 from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.launch import CoreFactory
@@ -25,18 +30,33 @@ from rawserve.text.tokenizer import Tokenizer
 log = logging.getLogger("rawserve")
 
 
-def build_router(ctx: ServingContext, is_draining: Callable[[], bool]) -> Router:
+def build_router(ctx: ServingContext, is_draining: Callable[[], bool], log_requests: bool = True) -> Router:
     router = Router()
-    router.add("POST", "/v1/completions", functools.partial(create_completion, ctx))
-    router.add("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx))
-    router.add("GET", "/v1/models", functools.partial(admin.list_models, ctx))
-    router.add("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx))
-    router.add("GET", "/health", admin.health(ctx, is_draining))
-    router.add("GET", "/metrics", functools.partial(admin.metrics, ctx))
-    router.add("GET", "/version", functools.partial(admin.version, ctx))
-    router.add("POST", "/tokenize", functools.partial(admin.tokenize, ctx))
-    router.add("POST", "/detokenize", functools.partial(admin.detokenize, ctx))
+    routes = [
+        ("POST", "/v1/completions", functools.partial(create_completion, ctx)),
+        ("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx)),
+        ("GET", "/v1/models", functools.partial(admin.list_models, ctx)),
+        ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
+        ("GET", "/health", admin.health(ctx, is_draining)),
+        ("GET", "/metrics", functools.partial(admin.metrics, ctx)),
+        ("GET", "/version", functools.partial(admin.version, ctx)),
+        ("POST", "/tokenize", functools.partial(admin.tokenize, ctx)),
+        ("POST", "/detokenize", functools.partial(admin.detokenize, ctx)),
+    ]
+    for method, path, handler in routes:
+        router.add(method, path, logged(handler, log_requests))  # the access line; errors are logged either way
     return router
+
+
+def generation_defaults(model_dir: pathlib.Path, tokenizer: Tokenizer, source: str) -> GenerationDefaults:
+    """--generation-config: auto (the checkpoint's file), vllm (neutral sampling defaults) or a directory's
+    generation_config.json. The EOS ids are the checkpoint's in every case: they say when its text ends."""
+    own = GenerationDefaults.from_dir(model_dir, tokenizer)
+    if source == "auto":
+        return own
+    if source == "vllm":
+        return GenerationDefaults(eos_token_ids=own.eos_token_ids)
+    return dataclasses.replace(GenerationDefaults.from_dir(source, tokenizer), eos_token_ids=own.eos_token_ids)
 
 
 class OpenAIServer:
@@ -52,13 +72,14 @@ class OpenAIServer:
         self.model_name = server_config.served_model_name or model_dir.resolve().name
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
-        self.defaults = GenerationDefaults.from_dir(model_dir, self.tokenizer)
+        self.defaults = generation_defaults(model_dir, self.tokenizer, server_config.generation_config)
         # Named, not imported: the core (and torch) loads only in the core's thread or process.
-        self.llm = AsyncLLM(CoreFactory(engine_config), self.tokenizer,
+        self.llm = AsyncLLM(CoreFactory(engine_config, server_config.log_level), self.tokenizer,
                             mode=server_config.engine_mode, max_pending=server_config.max_pending,
                             request_timeout_s=server_config.request_timeout_s,
                             metrics=Metrics(self.model_name), model_name=self.model_name)
         self.http: HTTPServer | None = None
+        self._stats_task: asyncio.Task | None = None
 
     @property
     def port(self) -> int | None:
@@ -72,21 +93,31 @@ class OpenAIServer:
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
                              self.server_config.reasoning_parser, self.server_config.tool_call_parser)
         self.context = ctx
-        self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining))
+        self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining,
+                                                                self.server_config.log_requests))
         try:
             await self.http.start()
         except BaseException:
             await self.llm.stop(0)
             raise
+        log.info("%s", startup_summary(self.engine_config, self.server_config, self.model_name, info, self.port))
+        self._stats_task = asyncio.get_running_loop().create_task(StatsLogger(self.llm).run())
 
     async def serve(self, install_signal_handlers: bool = True) -> int:
         """Serve until SIGTERM/SIGINT (or stop()); drain, stop the engine, return the exit status."""
         assert self.http is not None, "start() first"
         status = await self.http.serve_until_shutdown(install_signal_handlers)
+        self._stop_stats()
         await self.llm.stop(0)
         return status
 
     async def stop(self) -> None:
         if self.http is not None:
             await self.http.shutdown()
+        self._stop_stats()
         await self.llm.stop(0)
+
+    def _stop_stats(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            self._stats_task = None

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from rawserve.api import access_log
 from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
 from rawserve.engine import rules
@@ -152,6 +153,9 @@ class ServingContext:
 
         Admission is all-or-nothing: a refusal part-way aborts the streams already started.
         """
+        record = access_log.current()
+        if record is not None and record.rid is None:
+            record.rid = rid
         try:
             self.llm.check_capacity(len(prompts) * params.n)
         except Overloaded as error:
@@ -243,14 +247,23 @@ async def choice_chunks(streams: list[RequestStream], tally: UsageTally, parsers
     decides a choice's finish_reason from its final output (default: the engine's). An engine failure comes
     out as the APIError its client sees.
     """
+    record = access_log.current()  # the access line's tokens, TTFT and finish reasons
+    if record is not None:
+        record.tally = tally
+        if streams and record.rid is None:
+            record.rid = streams[0].request_id
     try:
         async for k, out in merge(streams):
             tally.add(k, out)
+            if record is not None and record.first_token_s is None and out.new_token_ids:
+                record.first_token()
             parser = parsers[k] if parsers is not None else None
             deltas = parser.feed(out.text, final=out.finished) if parser is not None else None
             reason = None
             if out.finished:
                 reason = finish_reason(out, parser) if finish_reason is not None else out.finish_reason
+                if record is not None:
+                    record.finish_reasons.append(reason or "none")
             yield ChoiceChunk(k, out, deltas, reason)
     except Exception as error:  # the engine's failure: a 4xx/5xx before the header, an SSE error event after
         raise stream_error(error) from None
@@ -280,6 +293,10 @@ class UsageTally:
         i = k // self._n
         seen = self._cached[i]
         self._cached[i] = out.num_cached_tokens if seen is None else min(seen, out.num_cached_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(self._prompt_lens)
 
     def usage(self) -> dict:
         prompt_tokens = sum(self._prompt_lens)

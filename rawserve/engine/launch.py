@@ -5,6 +5,7 @@ core's side of the boundary (its thread, or its spawned process). Both are pickl
 """
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +15,12 @@ from rawserve.config import EngineConfig
 
 @dataclass(frozen=True, slots=True)
 class CoreFactory:
-    """`CoreFactory(config)()` is `EngineCore(config)`; it pickles as its config alone."""
+    """`CoreFactory(config)()` is `EngineCore(config)`; it pickles as its config (and log level) alone.
+
+    `log_level` is the server's --log-level, for a spawned core to set up its own logging with.
+    """
     config: EngineConfig
+    log_level: str = "info"
 
     def __call__(self) -> Any:
         from rawserve.engine.core import make_engine_core
@@ -23,8 +28,34 @@ class CoreFactory:
         return make_engine_core(self.config)
 
 
+def describe_core(core: Any) -> dict:
+    """What the startup summary needs that only the core knows: the resolved device and dtype, the
+    parameter count, the block size. Read defensively: a test's fake core has none of it."""
+    runner = getattr(core, "runner", None)
+    out: dict = {}
+    if runner is not None:
+        if getattr(runner, "device", None) is not None:
+            out["device"] = str(runner.device)
+        if getattr(runner, "dtype", None) is not None:
+            out["dtype"] = str(runner.dtype).removeprefix("torch.")
+        model = getattr(runner, "model", None)
+        if model is not None and hasattr(model, "parameters"):
+            out["num_params"] = sum(p.numel() for p in model.parameters())
+    if isinstance(getattr(core, "block_size", None), int):
+        out["block_size"] = core.block_size
+    return out
+
+
 def run_core_loop(factory: Callable[[], Any], inputs: Any, outputs: Any) -> None:
-    """The core thread's or process's target: engine/core_loop.py's run_core."""
+    """The core thread's or process's target: engine/core_loop.py's run_core.
+
+    A spawned process starts with no logging handlers, so without this its lines (load progress, a
+    fatal step's traceback) would be lost; a thread shares the server's logging and sets up nothing.
+    """
+    if multiprocessing.parent_process() is not None:
+        from rawserve.logs import setup_logging
+
+        setup_logging(getattr(factory, "log_level", "info"))
     from rawserve.engine.core_loop import run_core
 
     run_core(factory, inputs, outputs)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import socket
+import ssl
 from typing import Callable
 
 import orjson
@@ -97,9 +98,17 @@ class HTTPServer:
 
         self._listener = await loop.create_server(
             new_protocol, self.config.host, self.config.port,
-            backlog=min(self.config.max_connections, 4096), reuse_address=True)
+            backlog=min(self.config.max_connections, 4096), reuse_address=True, ssl=self._ssl_context())
         self.port = self._listener.sockets[0].getsockname()[1]
-        logger.info("listening on http://%s:%d", self.config.host, self.port)
+        logger.info("listening on %s://%s:%d", self.config.scheme, self.config.host, self.port)
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """TLS with --ssl-certfile/--ssl-keyfile: asyncio's SSL transport under the same connections."""
+        if self.config.ssl_certfile is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.config.ssl_certfile, self.config.ssl_keyfile)
+        return context
 
     async def serve_until_shutdown(self, install_signal_handlers: bool = True) -> int:
         """Serve until `shutdown()` finishes or a signal arrives; returns the process exit status:

@@ -1,0 +1,118 @@
+"""The server's own log lines besides the access log: the one startup summary, and a stats line every
+10 s while busy (throughput, running and waiting requests, KV usage, prefix-cache hit rate), as vLLM prints.
+
+Reads what exists (the checkpoint's files, the core's READY payload, the metrics counters); measures nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import pathlib
+import struct
+import time
+from typing import Any
+
+from rawserve.config import EngineConfig, ServerConfig
+
+log = logging.getLogger("rawserve")
+
+STATS_INTERVAL_S = 10.0
+
+
+def checkpoint_facts(model_dir: str | pathlib.Path) -> tuple[str, int | None]:
+    """(architecture, parameter count) read from config.json and the safetensors headers: no torch, no
+    weights read. The count is None when a header cannot be read (the core will have said why)."""
+    root = pathlib.Path(model_dir)
+    try:
+        config = json.loads((root / "config.json").read_text())
+        architecture = ",".join(config.get("architectures") or []) or str(config.get("model_type", "?"))
+    except (OSError, ValueError, AttributeError):
+        architecture = "?"
+    total = 0
+    try:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            return architecture, None
+        for file in files:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    count = 1
+                    for dim in entry["shape"]:
+                        count *= int(dim)
+                    total += count
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return architecture, None
+    return architecture, total
+
+
+def format_count(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, model_name: str,
+                    info: dict[str, Any], port: int) -> str:
+    """The one line an operator reads to know what is being served, where and how."""
+    model_dir = engine_config.model_dir or "?"
+    architecture, num_params = checkpoint_facts(model_dir)
+    num_params = info.get("num_params", num_params)
+    num_blocks = info.get("num_blocks")
+    block_size = info.get("block_size", engine_config.block_size)
+    kv = f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})" if num_blocks else "?"
+    host = server_config.host
+    url = f"{server_config.scheme}://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+    return (f"serving {model_name!r} from {model_dir}: {architecture}, {format_count(num_params)} parameters, "
+            f"dtype {info.get('dtype', engine_config.dtype)}, device {info.get('device', engine_config.device)}, "
+            f"max_model_len {info.get('max_model_len', '?')}, KV cache {kv}, engine in a {server_config.engine_mode}, "
+            f"listening on {url}, API key {'on' if server_config.api_key else 'off'}")
+
+
+class StatsLogger:
+    """Logs a stats line every `interval_s` while the server is busy; quiet when idle.
+
+    `tick(now)` does one interval's work, so tests drive it with their own clock; `run()` is the loop.
+    """
+
+    def __init__(self, llm: Any, interval_s: float = STATS_INTERVAL_S, clock=time.monotonic) -> None:
+        self.llm = llm
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last = (clock(), *self._counters())
+
+    def _counters(self) -> tuple[float, float, float, float]:
+        m = self.llm.metrics
+        return (m.counter_value("prompt_tokens_total"), m.counter_value("generation_tokens_total"),
+                m.counter_value("prefix_cache_queries_total"), m.counter_value("prefix_cache_hits_total"))
+
+    def tick(self, now: float | None = None) -> str | None:
+        """The line for the interval that ends now, logged, or None (and nothing logged) when idle."""
+        now = self._clock() if now is None else now
+        then, prompt0, gen0, queries0, hits0 = self._last
+        prompt, gen, queries, hits = counters = self._counters()
+        self._last = (now, *counters)
+        stats = self.llm.core_stats
+        if prompt == prompt0 and gen == gen0 and not stats.num_running and not stats.num_waiting:
+            return None
+        elapsed = max(now - then, 1e-9)
+        window = queries - queries0
+        hit_rate = (hits - hits0) / window if window > 0 else 0.0
+        line = (f"Avg prompt throughput: {(prompt - prompt0) / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {(gen - gen0) / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        log.info("%s", line)
+        return line
+
+    async def run(self) -> None:
+        """Tick every interval until cancelled (OpenAIServer owns the task)."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.tick()
