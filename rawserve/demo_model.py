@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import importlib.resources
 import json
+import logging
 import math
 import os
 import pathlib
@@ -16,6 +17,10 @@ import shutil
 import sys
 import tempfile
 from typing import Any, Iterable, Iterator, Sequence
+
+from rawserve.logs import Progress
+
+log = logging.getLogger("rawserve.demo_model")
 
 # Fixed ids 0..6, whatever the corpus: the trainer puts its special tokens first, in this order.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -166,7 +171,7 @@ def write_random_safetensors(path: str | pathlib.Path, specs: Sequence[tuple[str
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the spec pads the header to 8-byte alignment
     path = pathlib.Path(path)
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, Progress(f"writing {path.name}", offset, log) as progress:
         f.write(len(header_bytes).to_bytes(8, "little"))
         f.write(header_bytes)
         for name, dims in specs:
@@ -174,6 +179,7 @@ def write_random_safetensors(path: str | pathlib.Path, specs: Sequence[tuple[str
                 chunk = chunk.contiguous()
                 # A zero-copy view of the chunk's memory; `chunk` stays alive until the write returns.
                 f.write((ctypes.c_char * chunk.nbytes).from_address(chunk.data_ptr()))
+                progress.update(chunk.nbytes)
     return path
 
 
@@ -290,6 +296,7 @@ def build_demo_model(directory: str | pathlib.Path) -> pathlib.Path:
     """Write the five demo files into `directory` (created if needed) and return it."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    log.info("building the demo model in %s (once; it is cached): training its tokenizer", directory)
     tokenizer = train_tokenizer([text for _, text in corpus_texts()])
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     # Padded to a multiple of 64 as Qwen pads 151669 tokens to 151936. The padding rows are random
@@ -370,6 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="Build the tiny random-weight demo checkpoint (no network).")
     parser.add_argument("directory", nargs="?", help="Where to write it. Default: the user cache, built once.")
     args = parser.parse_args(argv)
+    from rawserve.logs import setup_logging
+
+    setup_logging("info")  # the build's progress on stderr; stdout keeps the path and digest
     path = build_demo_model(args.directory) if args.directory else ensure_demo_model()
     print(path.resolve())
     print(f"sha256 {tree_sha256(path)}")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rawserve.engine.ipc import Receiver, Sender
+from rawserve.engine.launch import describe_core
 from rawserve.engine.messages import Message, MsgKind
 
 log = logging.getLogger("rawserve.engine.core_loop")
@@ -41,7 +42,7 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
     with `error`. Any other exception from the core is `fatal` and ends the loop: block tables and
     computed-token counts may be inconsistent, and serving on risks one request reading another's KV.
 
-    Out (MsgKind): READY {max_model_len, num_blocks, vocab_size, pid}, OUTPUTS [RequestOutput] once per
+    Out (MsgKind): READY {max_model_len, num_blocks, vocab_size, pid, device, dtype, num_params, block_size}, OUTPUTS [RequestOutput] once per
     step, ERROR (rid, message), FATAL message, STATS EngineStats every stats_interval_s while busy and
     whenever the core goes idle, QUEUED [(rid, seconds)] when requests are first scheduled (the
     scheduler times them: `core.take_queue_times()` after each step). Several go out in one send.
@@ -54,7 +55,8 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
             _send(outputs, [(MsgKind.FATAL, f"engine failed to start: {error!r}")])
             return
         _send(outputs, [(MsgKind.READY, {"max_model_len": core.max_model_len, "num_blocks": core.num_blocks,
-                                          "vocab_size": core.vocab_size, "pid": os.getpid()}),
+                                          "vocab_size": core.vocab_size, "pid": os.getpid(),
+                                          **describe_core(core)}),  # device, dtype, params: the startup summary's
                         (MsgKind.STATS, core.stats())])
         _serve(core, inputs, outputs, stats_interval_s)
     except _FrontendGone as error:

@@ -7,9 +7,14 @@ so a load never holds a second full copy of the model.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from dataclasses import dataclass, field
 import torch
+
+from rawserve.logs import Progress
+
+log = logging.getLogger("rawserve.engine")
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -248,7 +253,9 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target]) -> N
     `targets` maps checkpoint names to (parameter, row_start, row_end). Every target must be filled.
     """
     missing = set(targets)
-    for file in safetensors_files(model_dir):
+    files = safetensors_files(model_dir)
+    progress = Progress(f"loading weights from {len(files)} file(s)", sum(f.stat().st_size for f in files), log)
+    for file in files:
         entries = read_safetensors_header(file)
         with open(file, "rb", buffering=0) as f, torch.no_grad():
             for entry in entries:
@@ -264,6 +271,8 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target]) -> N
                                           f"{tuple(expected)}")
                 read_tensor_into(entry, f, param[start:end])
                 missing.discard(entry.name)
+                progress.update(entry.num_bytes)
+    progress.close()
     if missing:
         names = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: missing tensors {names} ({len(missing)} in all)")

@@ -108,7 +108,11 @@ class ModelRunner:
             return self.config.num_kv_blocks
         bytes_per_block = (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
                            * torch.finfo(self.dtype).bits // 8)
-        budget = int(self.config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
+        memory_bytes = self.config.kv_cache_memory_gb * (1 << 30)
+        if self.config.gpu_memory_utilization is not None and self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)  # the weights are loaded: this is what is left
+            memory_bytes = self.config.gpu_memory_utilization * free_bytes
+        budget = int(memory_bytes) // bytes_per_block
         # More blocks than every sequence at full length could use is memory for nothing.
         useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(budget, useful))
