@@ -168,6 +168,17 @@ def _scalar_type(tp: typing.Any) -> typing.Any:
     return tp
 
 
+class _Append(argparse._AppendAction):
+    """A repeatable flag whose first use replaces its default (a list from RAWSERVE_<FLAG>) instead of
+    adding to it: the command line wins over the environment, it does not merge with it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        items = getattr(namespace, self.dest, None)
+        items = [] if items is None or items is self.default else list(items)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
@@ -180,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = f.default
         elif typing.get_origin(tp) is list:
-            kwargs["action"] = "append"
+            kwargs["action"] = _Append
             kwargs["type"] = _scalar_type(tp)
             kwargs["default"] = None
         else:
