@@ -297,32 +297,10 @@ class XGrammar:
     def feed(self, compiled, tokens: list[int], check: bool) -> dict[str, list[int]]:
         xgr = self.xgr
         matcher = xgr.GrammarMatcher(compiled)
-        bitmask, row = self.bitmask, self.row
-        fill_ns, fill_cpu_ns, apply_ns, apply_cpu_ns, advance_ns = [], [], [], [], []
-        clock, cpu = time.perf_counter_ns, time.thread_time_ns
-        for i in range(len(tokens) + 1):
-            row.normal_()
-            began_cpu, began = cpu(), clock()
-            matcher.fill_next_token_bitmask(bitmask)
-            filled, filled_cpu = clock(), cpu()
-            xgr.apply_token_bitmask_inplace(row, bitmask, backend="cpu")
-            apply_ns.append(clock() - filled)
-            apply_cpu_ns.append(cpu() - filled_cpu)
-            fill_ns.append(filled - began)
-            fill_cpu_ns.append(filled_cpu - began_cpu)
-            if i == len(tokens):
-                break
-            if check and row[0, tokens[i]] == float("-inf"):
-                raise AssertionError(f"xgrammar masks out token {tokens[i]} at position {i}")
-            began = clock()
-            ok = matcher.accept_token(tokens[i])
-            advance_ns.append(clock() - began)
-            if not ok:
-                raise AssertionError(f"xgrammar rejects token {tokens[i]} at position {i}")
-        if check and not matcher.accept_token(EOS_IDS[1]):
-            raise AssertionError("xgrammar does not accept the whole output")
-        return {"mask": fill_ns, "mask_cpu": fill_cpu_ns, "apply": apply_ns, "apply_cpu": apply_cpu_ns,
-                "advance": advance_ns}
+        return feed_bitmask(
+            "xgrammar", tokens, check, self.bitmask, self.row, lambda: matcher.fill_next_token_bitmask(self.bitmask),
+            lambda: xgr.apply_token_bitmask_inplace(self.row, self.bitmask, backend="cpu"), matcher.accept_token,
+            lambda: "")
 
 
 # ----- llguidance
@@ -377,32 +355,40 @@ class LLGuidance:
 
     def feed(self, grammar: str, tokens: list[int], check: bool) -> dict[str, list[int]]:
         matcher = self._matcher(grammar)
-        bitmask, row = self.bitmask, self.row
-        fill_ns, fill_cpu_ns, apply_ns, apply_cpu_ns, advance_ns = [], [], [], [], []
-        clock, cpu = time.perf_counter_ns, time.thread_time_ns
-        for i in range(len(tokens) + 1):
-            row.normal_()
-            began_cpu, began = cpu(), clock()
-            self.fill(matcher, bitmask, 0)
-            filled, filled_cpu = clock(), cpu()
-            self.apply(row, bitmask, backend="cpu")
-            apply_ns.append(clock() - filled)
-            apply_cpu_ns.append(cpu() - filled_cpu)
-            fill_ns.append(filled - began)
-            fill_cpu_ns.append(filled_cpu - began_cpu)
-            if i == len(tokens):
-                break
-            if check and row[0, tokens[i]] == float("-inf"):
-                raise AssertionError(f"llguidance masks out token {tokens[i]} at position {i}")
-            began = clock()
-            ok = matcher.consume_token(tokens[i])
-            advance_ns.append(clock() - began)
-            if not ok:
-                raise AssertionError(f"llguidance rejects token {tokens[i]} at position {i}: {matcher.get_error()}")
-        if check and not matcher.consume_token(EOS_IDS[1]):
-            raise AssertionError("llguidance does not accept the whole output")
-        return {"mask": fill_ns, "mask_cpu": fill_cpu_ns, "apply": apply_ns, "apply_cpu": apply_cpu_ns,
-                "advance": advance_ns}
+        return feed_bitmask(
+            "llguidance", tokens, check, self.bitmask, self.row, lambda: self.fill(matcher, self.bitmask, 0),
+            lambda: self.apply(self.row, self.bitmask, backend="cpu"), matcher.consume_token,
+            lambda: f": {matcher.get_error()}")
+
+
+def feed_bitmask(name: str, tokens: list[int], check: bool, bitmask, row, fill, apply, accept,
+                 why) -> dict[str, list[int]]:
+    """A peer's per-token loop: fill its bitmask, apply it to a fresh row (timed apart), accept the token."""
+    fill_ns, fill_cpu_ns, apply_ns, apply_cpu_ns, advance_ns = [], [], [], [], []
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
+    for i in range(len(tokens) + 1):
+        row.normal_()
+        began_cpu, began = cpu(), clock()
+        fill()
+        filled, filled_cpu = clock(), cpu()
+        apply()
+        apply_ns.append(clock() - filled)
+        apply_cpu_ns.append(cpu() - filled_cpu)
+        fill_ns.append(filled - began)
+        fill_cpu_ns.append(filled_cpu - began_cpu)
+        if i == len(tokens):
+            break
+        if check and row[0, tokens[i]] == float("-inf"):
+            raise AssertionError(f"{name} masks out token {tokens[i]} at position {i}")
+        began = clock()
+        ok = accept(tokens[i])
+        advance_ns.append(clock() - began)
+        if not ok:
+            raise AssertionError(f"{name} rejects token {tokens[i]} at position {i}{why()}")
+    if check and not accept(EOS_IDS[1]):
+        raise AssertionError(f"{name} does not accept the whole output")
+    return {"mask": fill_ns, "mask_cpu": fill_cpu_ns, "apply": apply_ns, "apply_cpu": apply_cpu_ns,
+            "advance": advance_ns}
 
 
 def bench_case(impls: list, case: str, schema, tokens: list[int], args, base: dict) -> dict[str, dict]:
