@@ -79,6 +79,7 @@ class OpenAIServer:
                             request_timeout_s=server_config.request_timeout_s,
                             metrics=Metrics(self.model_name), model_name=self.model_name)
         self.http: HTTPServer | None = None
+        self.context: ServingContext | None = None
         self._stats_task: asyncio.Task | None = None
 
     @property
@@ -109,6 +110,7 @@ class OpenAIServer:
         status = await self.http.serve_until_shutdown(install_signal_handlers)
         self._stop_stats()
         await self.llm.stop(0)
+        self._close_grammars()
         return status
 
     async def stop(self) -> None:
@@ -116,6 +118,11 @@ class OpenAIServer:
             await self.http.shutdown()
         self._stop_stats()
         await self.llm.stop(0)
+        self._close_grammars()
+
+    def _close_grammars(self) -> None:
+        if self.context is not None:
+            self.context.grammars.close()
 
     def _stop_stats(self) -> None:
         if self._stats_task is not None:

@@ -1,5 +1,5 @@
 """Structured output fields -> one compiled grammar per request: response_format, forced tool calls,
-vLLM's guided_* and structured_outputs. Compiled off the event loop; a repeated grammar is a cache hit.
+vLLM's guided_* and structured_outputs. Compiled in a worker process; a repeated grammar is a cache hit.
 
 Every bad schema, pattern or grammar is a 400 naming its field; the engine only ever sees grammars
 that compiled.
@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from rawserve.engine.guided.automaton import CompiledGrammar, compile_grammar
@@ -137,14 +140,12 @@ def think_mode(prompt: str, reasoning_parser: str | None) -> str:
     return "" if prompt.rstrip().endswith("</think>") else "may"
 
 
-def with_reasoning(grammar: Grammar, think: str, tokenizer: Tokenizer) -> Grammar:
+def with_reasoning(grammar: Grammar, think: str, added: Mapping[str, int]) -> Grammar:
     """Put the free-text reasoning block in front of the answer's grammar: any bytes, then </think> (the
     added token when the vocabulary has one) and up to four newlines or spaces."""
     if not think:
         return grammar
-    resolve = _added_token_id(tokenizer)
-    open_tag, close_tag = (Token(t) if (t := resolve(text)) is not None else lit(text)
-                           for text in ("<think>", "</think>"))
+    open_tag, close_tag = (Token(added[text]) if text in added else lit(text) for text in ("<think>", "</think>"))
     block = seq(Repeat(ANY_BYTE, 0, None), close_tag, Repeat(byte_set([(0x0A, 0x0A), (0x20, 0x20)]), 0, 4))
     prefix = block if think == "open" else Repeat(seq(open_tag, block), 0, 1)
     rules = dict(grammar.rules)
@@ -152,12 +153,22 @@ def with_reasoning(grammar: Grammar, think: str, tokenizer: Tokenizer) -> Gramma
     return Grammar(rules, "__reasoning_root")
 
 
-def build_grammar(spec: GuidedSpec, tokenizer: Tokenizer) -> Grammar:
+def added_tokens(tokenizer: Tokenizer) -> dict[str, int]:
+    """The vocabulary's added tokens, text -> id: a grammar matches these by id, never by spelling them."""
+    return {text: i for i in sorted(tokenizer.added_token_ids) if (text := tokenizer.id_to_token(i)) is not None}
+
+
+def build_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
     """The spec as a grammar (GrammarError if it cannot be one), after any reasoning block."""
-    return with_reasoning(_answer_grammar(spec, tokenizer), spec.think, tokenizer)
+    return with_reasoning(_answer_grammar(spec, added), spec.think, added)
 
 
-def _answer_grammar(spec: GuidedSpec, tokenizer: Tokenizer) -> Grammar:
+def compile_spec(spec: GuidedSpec, added: Mapping[str, int]) -> CompiledGrammar:
+    """build_grammar, then the NFA: what the compile worker runs."""
+    return compile_grammar(build_grammar(spec, added), spec.key)
+
+
+def _answer_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
     if spec.kind == "json":
         return schema_to_grammar(json.loads(spec.text))
     if spec.kind == "json_object":
@@ -167,37 +178,41 @@ def _answer_grammar(spec: GuidedSpec, tokenizer: Tokenizer) -> Grammar:
     if spec.kind == "choice":
         return Grammar({"root": alt(*(lit(c) for c in json.loads(spec.text)))})
     if spec.kind == "grammar":
-        grammar = parse_gbnf(spec.text, _added_token_id(tokenizer))
+        grammar = parse_gbnf(spec.text, added.get)
         check_grammar(grammar)
         return grammar
     style, parallel, tools = json.loads(spec.text)
-    resolve = _added_token_id(tokenizer)
-    tags = [resolve(tag) for tag in ("<tool_call>", "</tool_call>")]
-    open_tag, close_tag = (Token(t) if t is not None else lit(text)
-                           for t, text in zip(tags, ("<tool_call>", "</tool_call>")))
+    open_tag, close_tag = (Token(added[text]) if text in added else lit(text)
+                           for text in ("<tool_call>", "</tool_call>"))
     return tool_call_grammar([(name, json.loads(params) if params else None) for name, params in tools],
                              style=style, parallel=parallel, open_tag=open_tag, close_tag=close_tag)
 
 
-def _added_token_id(tokenizer: Tokenizer) -> Callable[[str], int | None]:
-    """Token text -> id, for added tokens only: those are matched by id, never spelled in bytes."""
-    def resolve(text: str) -> int | None:
-        token_id = tokenizer.token_to_id(text)
-        return token_id if token_id is not None and token_id in tokenizer.added_token_ids else None
-    return resolve
-
-
 class GrammarCache:
-    """Compiled grammars by spec, least recently used dropped first. One per server."""
+    """Compiled grammars by spec, least recently used dropped first. One per server.
+
+    Misses compile in one spawned worker process, not a thread: the compile is pure Python and holds the
+    GIL, and from a thread a 300-property schema stalled every stream for half a second. The work is
+    bounded (the JSON Schema front end's node limit, MAX_NFA_STATES), so no compile runs away.
+    """
 
     def __init__(self, tokenizer: Tokenizer, capacity: int = CACHE_SIZE) -> None:
-        self.tokenizer = tokenizer
+        self.added = added_tokens(tokenizer)
         self.capacity = capacity
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._pool: ProcessPoolExecutor | None = None
         self.hits = self.misses = 0
 
-    def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
-        return compile_grammar(build_grammar(spec, self.tokenizer), spec.key)
+    def close(self) -> None:
+        """Stop the compile worker (a later miss starts a new one)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _worker(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
 
     async def get(self, spec: GuidedSpec) -> CompiledGrammar:
         compiled = self._compiled.get(spec.key)
@@ -206,8 +221,13 @@ class GrammarCache:
             self._compiled.move_to_end(spec.key)
             return compiled
         self.misses += 1
-        try:  # in a thread even when short: `.{0,9999}` is short text and a large automaton
-            compiled = await asyncio.to_thread(self._compile, spec)
+        try:  # in the worker even when short: `.{0,9999}` is short text and a large automaton
+            compiled = await asyncio.get_running_loop().run_in_executor(self._worker(), compile_spec, spec,
+                                                                        self.added)
+        except BrokenProcessPool:  # the worker died (killed, out of memory): the next miss starts another
+            self._pool = None
+            raise APIError(500, f"Compiling {spec.param} failed: the compile worker died.",
+                           code="internal_error") from None
         except GrammarError as error:
             raise APIError(400, f"Invalid {spec.param}: {error}", param=spec.param) from None
         except RecursionError:

@@ -192,3 +192,24 @@ def test_a_bad_schema_does_not_disturb_a_running_stream(client, server):
     rest = [c for c in stream if c.choices]
     assert first.choices and rest, "the stream ended early"
     assert rest[-1].choices[0].finish_reason == "length"
+
+
+def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(qwen3_real_tokenizer_dir):
+    import multiprocessing
+
+    srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
+                                    max_model_len=512),
+                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[]))
+    try:
+        before = {p.pid for p in multiprocessing.active_children()}
+        status, data = raw(srv, "POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[ab]{4}"}).encode(),
+            "content-type: application/json\r\n")
+        assert status == 200 and re.fullmatch("[ab]{4}", json.loads(data)["choices"][0]["text"])
+        workers = [p for p in multiprocessing.active_children() if p.pid not in before]
+        assert workers and all(p.is_alive() for p in workers)
+    finally:
+        srv.stop()
+    for p in workers:
+        p.join(10)
+        assert not p.is_alive()

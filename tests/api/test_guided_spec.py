@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rawserve.api.guided import GuidedSpec, build_grammar, think_mode
+from rawserve.api.guided import GuidedSpec, added_tokens, build_grammar, think_mode
 from rawserve.engine.guided.automaton import Automaton, compile_grammar
 from rawserve.engine.guided.grammar import TOKEN_BASE, symbols
 from rawserve.text.tokenizer import Tokenizer
@@ -28,7 +28,8 @@ def test_think_mode_follows_the_rendered_prompt():
     ("", True, False, False), ("may", True, True, False), ("open", False, False, True)])
 def test_reasoning_block_comes_before_the_constrained_answer(tok, think, answer_only, thought, continued):
     start, end = TOKEN_BASE + tok.token_to_id("<think>"), TOKEN_BASE + tok.token_to_id("</think>")
-    a = Automaton(compile_grammar(build_grammar(GuidedSpec("json", SCHEMA, "guided_json", think), tok), think))
+    spec = GuidedSpec("json", SCHEMA, "guided_json", think)
+    a = Automaton(compile_grammar(build_grammar(spec, added_tokens(tok)), think))
     answer = symbols('{"a": 1}')
     assert a.matches(answer) == answer_only
     assert a.matches((start, *symbols("Let me think. {not json"), end, *symbols("\n\n"), *answer)) == thought
