@@ -29,6 +29,7 @@ ANY_BYTE = byte_set([(0, 255)])
 MAX_SPEC_CHARS = 256 * 1024  # a schema, pattern or grammar's text; larger ones are refused
 MAX_CHOICES = 4096
 CACHE_SIZE = 256
+MAX_CACHED_STATES = 2_000_000  # NFA states over all cached grammars (about 40 bytes each)
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -201,6 +202,7 @@ class GrammarCache:
         self.capacity = capacity
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
+        self._num_states = 0
         self.hits = self.misses = 0
 
     def close(self) -> None:
@@ -233,6 +235,7 @@ class GrammarCache:
         except RecursionError:
             raise APIError(400, f"Invalid {spec.param}: it is nested too deeply.", param=spec.param) from None
         self._compiled[spec.key] = compiled
-        while len(self._compiled) > self.capacity:
-            self._compiled.popitem(last=False)
+        self._num_states += compiled.num_states
+        while len(self._compiled) > self.capacity or (self._num_states > MAX_CACHED_STATES and len(self._compiled) > 1):
+            self._num_states -= self._compiled.popitem(last=False)[1].num_states
         return compiled

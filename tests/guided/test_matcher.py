@@ -193,3 +193,17 @@ def test_a_pickled_grammar_behaves_like_the_original():
     a, b = Automaton(compiled), Automaton(copy)
     for text in ('{}', '{"a":12}', '{"a":{"b":[12,"x",[]]}}', '{"a":', '{"a":[12,]}', '[]'):
         assert a.matches(text.encode()) == b.matches(text.encode()) == accepts(grammar, text), text
+
+
+def test_mask_caches_past_their_byte_bound_are_dropped_and_rebuilt_equal(monkeypatch):
+    import rawserve.engine.guided.matcher as matcher
+
+    tokens, specials = small_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens))
+    runtime = GrammarRuntime(compile_grammar(GRAMMARS["nested"], "nested"), vocab)
+    first = runtime.mask(runtime.start).allowed(vocab.vocab_size)
+    monkeypatch.setattr(matcher, "MAX_CACHE_BYTES", 0)
+    cid = runtime.advance(runtime.start, tokens.index(b"{"))
+    runtime.mask(cid)  # over the bound: the caches were cleared before this build
+    assert runtime.start not in runtime._masks and runtime.cache_bytes > 0
+    assert torch.equal(runtime.mask(runtime.start).allowed(vocab.vocab_size), first)

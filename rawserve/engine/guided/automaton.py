@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, GrammarError, Node, Ref, Repeat, Seq,
                                             Token, iter_refs)
@@ -40,6 +40,7 @@ class CompiledGrammar:
     rule_start: list[int]
     rule_final: list[int]
     start_rule: int
+    _packed: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_states(self) -> int:
@@ -48,6 +49,8 @@ class CompiledGrammar:
     # Pickled flat: lists of small lists of tuples took 4 s to unpickle for a 120k-state NFA (in the core, in
     # its step). As int arrays they cross the pipe as bytes, and rows are sliced out only when read.
     def __getstate__(self) -> dict:
+        if self._packed is not None:  # unpickled here: send on what came in, without walking the edges again
+            return self._packed
         state = {"key": self.key, "rule_start": self.rule_start, "rule_final": self.rule_final,
                  "start_rule": self.start_rule, "is_final": bytes(self.is_final)}
         for name, width in _EDGE_LISTS:
@@ -61,9 +64,11 @@ class CompiledGrammar:
                         flat.extend(edge)
                 offsets.append(len(flat))
             state[name] = (offsets, flat)
+        self._packed = state
         return state
 
     def __setstate__(self, state: dict) -> None:
+        self._packed = state
         self.key, self.rule_start, self.rule_final = state["key"], state["rule_start"], state["rule_final"]
         self.start_rule = state["start_rule"]
         self.is_final = list(map(bool, state["is_final"]))
@@ -73,6 +78,14 @@ class CompiledGrammar:
 
 
 _EDGE_LISTS = (("eps", 1), ("byte_edges", 3), ("token_edges", 2), ("call_edges", 2))
+
+
+def _has_edges(a: list | _Rows, b: list | _Rows) -> list[bool]:
+    """Per state: any edge in a or b (from the offsets alone when the lists are flat)."""
+    if isinstance(a, _Rows) and isinstance(b, _Rows):
+        ao, bo = a.offsets, b.offsets
+        return [x != y or u != w for x, y, u, w in zip(ao, ao[1:], bo, bo[1:])]
+    return [bool(a[s] or b[s]) for s in range(len(a))]
 
 
 class _Rows:
@@ -264,9 +277,9 @@ class Automaton:
         self.g = g
         n = g.num_states
         self.mark = n  # a state past the NFA's: any byte, forever
-        self.consuming = [bool(g.byte_edges[s] or g.token_edges[s]) for s in range(n)] + [True]
+        self.consuming = _has_edges(g.byte_edges, g.token_edges) + [True]
         self.accept_state = g.rule_final[g.start_rule]
-        self.is_tail = self._tail_states()
+        self._tail: dict[int, bool] = {}
         self.stacks: list[tuple[int, int, int]] = [(-1, -1, 0)]
         self._stack_ids: dict[tuple[int, int], int] = {}
         self.configs: list[frozenset[tuple[int, int]]] = [frozenset()]
@@ -285,28 +298,30 @@ class Automaton:
     def num_configs(self) -> int:
         return len(self.configs)
 
-    def _tail_states(self) -> list[bool]:
-        """States from which only epsilon moves lead on, and they reach a rule's final state: a call
-        returning there may as well return straight to its caller's caller."""
+    def is_tail(self, s: int) -> bool:
+        """Whether only epsilon moves lead on from s, and they reach a rule's final state: a call returning
+        there may as well return straight to its caller's caller. Worked out on first use: only call
+        return states are ever asked, and a pass over every state cost the core's step 50 ms on a big NFA."""
+        tail = self._tail.get(s)
+        if tail is not None:
+            return tail
         g = self.g
-        tail = [False] * g.num_states
-        for s in range(g.num_states):
-            seen = {s}
-            stack = [s]
-            ok, reaches_final = True, False
-            while stack:
-                t = stack.pop()
-                if g.byte_edges[t] or g.token_edges[t] or g.call_edges[t]:
-                    ok = False
-                    break
-                if g.is_final[t]:
-                    reaches_final = True
-                for u in g.eps[t]:
-                    if u not in seen:
-                        seen.add(u)
-                        stack.append(u)
-            tail[s] = ok and reaches_final
-        return tail + [False]
+        seen = {s}
+        stack = [s]
+        ok, reaches_final = True, False
+        while stack:
+            t = stack.pop()
+            if g.byte_edges[t] or g.token_edges[t] or g.call_edges[t]:
+                ok = False
+                break
+            if g.is_final[t]:
+                reaches_final = True
+            for u in g.eps[t]:
+                if u not in seen:
+                    seen.add(u)
+                    stack.append(u)
+        self._tail[s] = tail = ok and reaches_final
+        return tail
 
     def _push(self, ret: int, parent: int) -> int:
         key = (ret, parent)
@@ -338,7 +353,7 @@ class Automaton:
             for t in eps[s]:
                 work.append((t, sid))
             for rule, ret in calls[s]:
-                if is_tail[ret]:
+                if is_tail(ret):
                     work.append((g.rule_start[rule], sid))
                 elif self.stacks[sid][2] < MAX_STACK_DEPTH:
                     work.append((g.rule_start[rule], self._push(ret, sid)))

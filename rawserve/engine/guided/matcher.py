@@ -18,6 +18,9 @@ _NEG_INF = float("-inf")
 # A configuration that more first bytes than this can continue is walked densely (every trie node at once).
 DENSE_WALK_FIRST_BYTES = 24
 MAX_CONFIGS = 200_000
+# Per grammar, the walks and masks kept; past this they are dropped and rebuilt as reached (a wide mask is
+# up to 600 KB, and an adversarial grammar can reach thousands of configurations).
+MAX_CACHE_BYTES = 64 << 20
 # Stack frames a mask's base walk keeps: tokens that close more nested rules than this (e.g. `}}]}`)
 # are checked one by one against the whole stack.
 TRUNCATE_DEPTH = 3  # per grammar: past this an adversarial grammar stops growing (its rows end)
@@ -84,6 +87,7 @@ class GrammarRuntime:
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
         self.mask_build_s = 0.0
+        self.cache_bytes = 0  # what the walks and masks hold
 
     @property
     def start(self) -> int:
@@ -123,12 +127,18 @@ class GrammarRuntime:
 
     def _build(self, cid: int) -> TokenMask:
         began = time.perf_counter()
+        if self.cache_bytes > MAX_CACHE_BYTES:  # caches only: what is dropped is rebuilt when reached again
+            self._masks.clear()
+            self._walks.clear()
+            self._shared.clear()
+            self.cache_bytes = 0
         a = self.automaton
         base = a.truncate(cid, TRUNCATE_DEPTH) if cid != DEAD else DEAD
         walked = self._walks.get(base)
         if walked is None:
             walked = self._walk(base)
             self._walks[base] = walked
+            self.cache_bytes += walked[0].numel() * walked[0].element_size() + 8 * len(walked[1])
         certain, uncertain = walked
         extra = [t for t in uncertain if self.advance(cid, t) != DEAD]
         specials = [t for t in a.allowed_tokens(cid) if 0 <= t < self.vocab.vocab_size] if cid != DEAD else []
@@ -137,6 +147,7 @@ class GrammarRuntime:
         if mask is None:
             mask = self._make_mask(certain, extra + specials, a.is_accepting[cid])
             self._shared[key] = mask
+            self.cache_bytes += mask.ids.numel() * mask.ids.element_size()
         self._masks[cid] = mask
         self.num_masks_built += 1
         self.mask_build_s += time.perf_counter() - began
@@ -299,7 +310,7 @@ class GuidedRegistry:
     """The core's grammars, shared across requests by key, least recently used dropped past `capacity`
     (requests still holding a dropped runtime keep it until they finish)."""
 
-    def __init__(self, vocab: VocabIndex, device: torch.device | str = "cpu", capacity: int = 64) -> None:
+    def __init__(self, vocab: VocabIndex, device: torch.device | str = "cpu", capacity: int = 32) -> None:
         self.vocab = vocab
         self.device = device
         self.capacity = capacity
