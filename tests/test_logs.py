@@ -176,3 +176,33 @@ async def test_a_stream_is_logged_when_its_last_event_went_out_and_disabled_logs
         response = await logged(handler, is_enabled=False)(request())
         assert [e async for e in response.events] == [{"a": 1}, {"b": 2}]
         assert not caplog.records
+
+
+def test_requests_the_http_layer_refuses_get_their_access_line(caplog):
+    import h11
+
+    from rawserve.api.access_log import refusal_logger
+    from rawserve.http.auth import APIKeyAuth
+    from rawserve.http.dispatch import Dispatcher
+    from rawserve.http.messages import RequestHead
+    from rawserve.http.routing import CORSPolicy, Router
+
+    router = Router()
+
+    async def models(req: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    router.add("GET", "/v1/models", models)
+    dispatcher = Dispatcher(router, APIKeyAuth(["k"]), CORSPolicy([]), on_refusal=refusal_logger(True))
+    with caplog.at_level(logging.INFO, "rawserve"):
+        for method, path, key, status in (("GET", "/v1/models", None, 401), ("GET", "/nope", "k", 404),
+                                          ("POST", "/v1/models", "k", 405)):
+            raw = [(b"host", b"x")] + ([(b"authorization", f"Bearer {key}".encode())] if key else [])
+            head = RequestHead(h11.Request(method=method, target=path, headers=raw), 65536)
+            request = Request(method, path, "", head.headers, b"", "1.1", ("10.0.0.9", 1))
+            answer, _ = dispatcher.admit(head, request)
+            assert answer.status == status
+        assert refusal_logger(False) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "rawserve.access"]
+    assert [line.split(" total_ms")[0] for line in lines] == [
+        '10.0.0.9:1 "GET /v1/models" 401', '10.0.0.9:1 "GET /nope" 404', '10.0.0.9:1 "POST /v1/models" 405']

@@ -89,6 +89,18 @@ async def _watch(events: AsyncIterator[Any], request: Request, record: AccessRec
             _access(request, record, status)
 
 
+def refusal_logger(is_enabled: bool):
+    """For HTTPServer(on_refusal=...): the access line of a request the HTTP layer answered itself (401, 404,
+    405, 503 while draining), or None when access lines are off."""
+    if not is_enabled:
+        return None
+
+    def refused(request: Request, status: int) -> None:
+        _access(request, AccessRecord(time.monotonic()), status)
+
+    return refused
+
+
 def _client(request: Request) -> str:
     client = request.client
     if isinstance(client, tuple) and len(client) >= 2:

@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Callable
 
 from rawserve.api import admin
-from rawserve.api.access_log import logged
+from rawserve.api.access_log import logged, refusal_logger
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
 from rawserve.api.serving import ServingContext
@@ -95,7 +95,8 @@ class OpenAIServer:
                              self.server_config.reasoning_parser, self.server_config.tool_call_parser)
         self.context = ctx
         self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining,
-                                                                self.server_config.log_requests))
+                                                                self.server_config.log_requests),
+                               on_refusal=refusal_logger(self.server_config.log_requests))
         try:
             await self.http.start()
         except BaseException:

@@ -14,16 +14,18 @@ from rawserve.http.routing import CORSPolicy, Handler, Router
 class Dispatcher:
     """Admits requests for one server. `is_draining` is written by the server alone."""
 
-    __slots__ = ("router", "auth", "cors", "is_draining", "num_in_flight", "_on_drained")
+    __slots__ = ("router", "auth", "cors", "is_draining", "num_in_flight", "_on_drained", "_on_refusal")
 
     def __init__(self, router: Router, auth: APIKeyAuth, cors: CORSPolicy,
-                 on_drained: Callable[[], None] | None = None) -> None:
+                 on_drained: Callable[[], None] | None = None,
+                 on_refusal: Callable[[Request, int], None] | None = None) -> None:
         self.router = router
         self.auth = auth
         self.cors = cors
         self.is_draining = False
         self.num_in_flight = 0  # requests between their head and the end of their response
         self._on_drained = on_drained  # called when a drain is on and the last request ends
+        self._on_refusal = on_refusal  # told of each request answered here (its access line)
 
     def admit(self, head: RequestHead, request: Request) -> tuple[Handler | Response, bytes]:
         """The handler to run for `request`, or the answer to give without one (503 while
@@ -47,6 +49,8 @@ class Dispatcher:
             request.api_key = self.auth.check(head.path, head.headers)
             handler, request.path_params = self.router.resolve(head.method, head.path)
         except APIError as error:
+            if self._on_refusal is not None:
+                self._on_refusal(request, error.status)
             return error_response(error), cors_lines
         return handler, cors_lines
 

@@ -20,6 +20,7 @@ from rawserve.errors import APIError
 from rawserve.http.auth import APIKeyAuth
 from rawserve.http.connection import SHUTDOWN, Connection, StreamProtocol
 from rawserve.http.dispatch import Dispatcher
+from rawserve.http.messages import Request
 from rawserve.http.routing import CORSPolicy, Router
 
 logger = logging.getLogger("rawserve.http")
@@ -49,13 +50,16 @@ class HTTPServer:
     cancelled.
     """
 
-    def __init__(self, config: ServerConfig, router: Router) -> None:
+    def __init__(self, config: ServerConfig, router: Router,
+                 on_refusal: Callable[[Request, int], None] | None = None) -> None:
+        """on_refusal(request, status): told of each request refused before a handler (503 while draining,
+        401, 404, 405), e.g. for an access log."""
         self.config = config
         self.router = router
         self.auth = APIKeyAuth(config.api_key)
         self.cors = CORSPolicy(config.allowed_origins)
         self.port: int | None = None
-        self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained)
+        self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained, on_refusal)
         self._listener: asyncio.base_events.Server | None = None
         self._connections: dict[Connection, asyncio.Task] = {}  # each with the task that serves it
         self._drain_callbacks: list[Callable[[], None]] = []
