@@ -206,3 +206,28 @@ def test_requests_the_http_layer_refuses_get_their_access_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "rawserve.access"]
     assert [line.split(" total_ms")[0] for line in lines] == [
         '10.0.0.9:1 "GET /v1/models" 401', '10.0.0.9:1 "GET /nope" 404', '10.0.0.9:1 "POST /v1/models" 405']
+
+
+def test_framing_refusals_get_their_access_line_too(caplog):
+    from rawserve.api.access_log import refusal_logger
+    from rawserve.config import ServerConfig
+    from rawserve.http.auth import APIKeyAuth
+    from rawserve.http.dispatch import Dispatcher
+    from rawserve.http.protocol import HTTPProtocol
+    from rawserve.http.routing import CORSPolicy, Router
+
+    config = ServerConfig(max_body_bytes=10)
+    router = Router()
+
+    async def echo(req: Request) -> JSONResponse:
+        return JSONResponse({})
+
+    router.add("POST", "/x", echo)
+    dispatcher = Dispatcher(router, APIKeyAuth([]), CORSPolicy([]), on_refusal=refusal_logger(True))
+    with caplog.at_level(logging.INFO, "rawserve"):
+        for data in (b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 99\r\n\r\n", b"NOT HTTP\r\n\r\n"):
+            protocol = HTTPProtocol(config, dispatcher, clock=lambda: 0.0, client=("10.0.0.8", 2))
+            protocol.receive_data(data)
+            protocol.next_action()
+    lines = [r.getMessage().split(" total_ms")[0] for r in caplog.records if r.name == "rawserve.access"]
+    assert lines == ['10.0.0.8:2 "POST /x" 413', '10.0.0.8:2 "- -" 400']

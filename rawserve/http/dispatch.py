@@ -49,10 +49,14 @@ class Dispatcher:
             request.api_key = self.auth.check(head.path, head.headers)
             handler, request.path_params = self.router.resolve(head.method, head.path)
         except APIError as error:
-            if self._on_refusal is not None:
-                self._on_refusal(request, error.status)
+            self.refused(request, error.status)
             return error_response(error), cors_lines
         return handler, cors_lines
+
+    def refused(self, request: Request, status: int) -> None:
+        """A request answered without a handler (here, or by the connection for its framing)."""
+        if self._on_refusal is not None:
+            self._on_refusal(request, status)
 
     def begin(self) -> None:
         """A request head arrived: one more request in flight."""

@@ -13,7 +13,7 @@ import h11
 
 from rawserve.config import ServerConfig
 from rawserve.errors import APIError
-from rawserve.http.messages import Request, RequestHead, Response, encode_response, error_response
+from rawserve.http.messages import Headers, Request, RequestHead, Response, encode_response, error_response
 from rawserve.http.sse import SSEResponse, encode_head
 
 if TYPE_CHECKING:
@@ -362,6 +362,9 @@ class HTTPProtocol:
     def _refuse(self, error: APIError) -> Close:
         """An error answered with the body (if any) unread; then a close, lingering."""
         exchange = self._exchange
+        # Its access line: the request if its head was read, else a placeholder with the client's address.
+        self._dispatcher.refused(exchange.request if exchange is not None else
+                                 Request("-", "-", "", Headers([]), b"", "1.1", self._client), error.status)
         if exchange is not None and exchange.is_continued:
             return self._shut(b"", linger=True)  # the response began with 100 Continue; only the close is left
         return self._shut(self._encode(error_response(error)), linger=True)
