@@ -229,5 +229,9 @@ def test_framing_refusals_get_their_access_line_too(caplog):
             protocol = HTTPProtocol(config, dispatcher, clock=lambda: 0.0, client=("10.0.0.8", 2))
             protocol.receive_data(data)
             protocol.next_action()
+        slow = HTTPProtocol(config, dispatcher, clock=lambda: 0.0, client=("10.0.0.8", 3))
+        slow.receive_data(b"GET /x HTTP/1.1\r\nhost")  # a head that never ends
+        slow.next_action()
+        assert slow.tick(1e9) is not None
     lines = [r.getMessage().split(" total_ms")[0] for r in caplog.records if r.name == "rawserve.access"]
-    assert lines == ['10.0.0.8:2 "POST /x" 413', '10.0.0.8:2 "- -" 400']
+    assert lines == ['10.0.0.8:2 "POST /x" 413', '10.0.0.8:2 "- -" 400', '10.0.0.8:3 "- -" 408']

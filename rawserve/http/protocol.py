@@ -177,7 +177,15 @@ class HTTPProtocol:
         what, limit_s = ("headers", config.header_timeout_s) if phase is HEAD else ("body", config.body_timeout_s)
         error = APIError(408, f"The request {what} did not arrive within {limit_s} s.", code="request_timeout")
         # The client is still dribbling: linger, so that it gets to read the 408.
+        self._note_refusal(408)
         return self._shut(self._encode(error_response(error)), linger=True)
+
+    def _note_refusal(self, status: int) -> None:
+        """Tell the dispatcher (the access line): the request if its head was read, else a placeholder
+        with the client's address."""
+        exchange = self._exchange
+        self._dispatcher.refused(exchange.request if exchange is not None else
+                                 Request("-", "-", "", Headers([]), b"", "1.1", self._client), status)
 
     def connection_closed(self) -> None:
         """The shell is done with the connection, whatever the phase: the books on an unfinished
@@ -362,9 +370,7 @@ class HTTPProtocol:
     def _refuse(self, error: APIError) -> Close:
         """An error answered with the body (if any) unread; then a close, lingering."""
         exchange = self._exchange
-        # Its access line: the request if its head was read, else a placeholder with the client's address.
-        self._dispatcher.refused(exchange.request if exchange is not None else
-                                 Request("-", "-", "", Headers([]), b"", "1.1", self._client), error.status)
+        self._note_refusal(error.status)
         if exchange is not None and exchange.is_continued:
             return self._shut(b"", linger=True)  # the response began with 100 Continue; only the close is left
         return self._shut(self._encode(error_response(error)), linger=True)
