@@ -133,6 +133,9 @@ class ServerConfig:
     log_level: str = field(default="info", metadata={
         "help": "Log level of the server and the engine process (vLLM: --uvicorn-log-level).",
         "choices": LOG_LEVELS, "aliases": ("--uvicorn-log-level",)})
+    responses_store_max: int = field(default=1000, metadata={
+        "help": "Stored responses kept in memory for GET /v1/responses/{id} and previous_response_id, least "
+                "recently used dropped first (0: none are kept)."})
     ssl_keyfile: str | None = field(default=None, metadata={
         "help": "PEM private key: serve HTTPS (with --ssl-certfile) on the same asyncio stack."})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate chain for --ssl-keyfile."})
@@ -143,6 +146,7 @@ class ServerConfig:
                      "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")
+        _check(self.responses_store_max >= 0, "responses_store_max", f"must be >= 0, got {self.responses_store_max}")
         for name in ("max_header_bytes", "max_body_bytes", "max_connections", "max_pending"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(self.engine_mode in ENGINE_MODES, "engine_mode", f"must be thread|process, got {self.engine_mode!r}")

@@ -15,6 +15,8 @@ from rawserve.api import admin
 from rawserve.api.access_log import logged, refusal_logger
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
+from rawserve.api.response_store import ResponseStore
+from rawserve.api.responses import create_response, delete_response, list_input_items, retrieve_response
 from rawserve.api.serving import ServingContext
 from rawserve.api.status_log import StatsLogger, startup_summary
 from rawserve.config import EngineConfig, ServerConfig
@@ -30,11 +32,16 @@ from rawserve.text.tokenizer import Tokenizer
 log = logging.getLogger("rawserve")
 
 
-def build_router(ctx: ServingContext, is_draining: Callable[[], bool], log_requests: bool = True) -> Router:
+def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: ResponseStore,
+                 log_requests: bool = True) -> Router:
     router = Router()
     routes = [
         ("POST", "/v1/completions", functools.partial(create_completion, ctx)),
         ("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx)),
+        ("POST", "/v1/responses", functools.partial(create_response, ctx, store)),
+        ("GET", "/v1/responses/{response_id}", functools.partial(retrieve_response, store)),
+        ("DELETE", "/v1/responses/{response_id}", functools.partial(delete_response, store)),
+        ("GET", "/v1/responses/{response_id}/input_items", functools.partial(list_input_items, store)),
         ("GET", "/v1/models", functools.partial(admin.list_models, ctx)),
         ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
         ("GET", "/health", admin.health(ctx, is_draining)),
@@ -80,6 +87,7 @@ class OpenAIServer:
                             metrics=Metrics(self.model_name), model_name=self.model_name)
         self.http: HTTPServer | None = None
         self.context: ServingContext | None = None
+        self.responses = ResponseStore(server_config.responses_store_max)
         self._stats_task: asyncio.Task | None = None
 
     @property
@@ -94,7 +102,7 @@ class OpenAIServer:
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
                              self.server_config.reasoning_parser, self.server_config.tool_call_parser)
         self.context = ctx
-        self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining,
+        self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
                                                                 self.server_config.log_requests),
                                on_refusal=refusal_logger(self.server_config.log_requests))
         try:

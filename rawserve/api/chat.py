@@ -11,11 +11,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from rawserve.api.guided import ToolForcing, request_spec, think_mode
 from rawserve.api.protocol import ChatMessage, ChatRequest
 from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
                                   wants_usage_chunk)
+from rawserve.engine.frontend.async_llm import RequestStream
 from rawserve.engine.frontend.output_processor import TextOutput
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
@@ -116,9 +118,31 @@ def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
 async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONResponse | SSEResponse:
     req = parse(ChatRequest, request.json())
     ctx.check_model(req.model)
-    check_logprobs(req.top_logprobs, "top_logprobs")
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    run = await start_chat(ctx, req, rid)
+    base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
+    if req.stream:
+        return SSEResponse(_chunks(ctx, req, run.streams, run.parsers, base, run.tally, run.decide))
+    return JSONResponse(await _response(ctx, req, run.streams, run.parsers, base, run.tally, run.decide,
+                                        run.forced))
+
+
+@dataclass(slots=True)
+class ChatRun:
+    """A chat-shaped request started on the engine: what /v1/chat/completions and /v1/responses both render."""
+    streams: list[RequestStream]
+    parsers: list[OutputParser]
+    tally: UsageTally
+    forced: ToolForcing | None
+    decide: Callable  # finish_reason(out, parser), bound to this request's tool_choice
+
+
+async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str) -> ChatRun:
+    """Template, tools, structured output, tokens, sampling params and admission: every refusal is an
+    APIError raised here, before a response header. Errors name chat's fields (messages, max_tokens)."""
+    check_logprobs(req.top_logprobs, "top_logprobs")
     text, use_tools = render_prompt(ctx, req)
     forced = tool_forcing(ctx, req)
     spec = request_spec(req, tools=forced, think=think_mode(text, ctx.reasoning_parser))
@@ -128,17 +152,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = ctx.start_streams([ids], params, rid, req)
     opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
                             starts_in_reasoning=opened) for _ in streams]
-    base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
-    tally = UsageTally([len(ids)], params.n)
     decide = functools.partial(finish_reason, forced=forced, named=isinstance(req.tool_choice, dict))
-    if req.stream:
-        return SSEResponse(_chunks(ctx, req, streams, parsers, base, tally, decide))
-    return JSONResponse(await _response(ctx, req, streams, parsers, base, tally, decide, forced))
+    return ChatRun(streams, parsers, UsageTally([len(ids)], params.n), forced, decide)
 
 
 def finish_reason(out: TextOutput, parser: OutputParser | None, *, forced: ToolForcing | None = None,

@@ -32,22 +32,13 @@ class StructuredOutputs:
 
 
 @dataclass(slots=True)
-class SamplingFields:
-    """Fields both endpoints share."""
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+class SamplingExtensions:
+    """vLLM's sampling extensions (and OpenAI's common sampling fields), on every generating endpoint."""
+    seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    user: str | None = None
-    # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -58,6 +49,19 @@ class SamplingFields:
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class SamplingFields(SamplingExtensions):
+    """Fields both chat and completions share."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # structured output (vLLM's names; response_format is OpenAI's)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -142,3 +146,54 @@ class TokenizeRequest:
 class DetokenizeRequest:
     tokens: list[int]
     model: str | None = None
+
+
+# The Responses API (POST /v1/responses). Input items and tools stay plain dicts: their shape depends on
+# their `type`, which api/responses.py checks item by item so a 400 names the item's path.
+
+@dataclass(slots=True)
+class ResponsesTextFormat:
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+@dataclass(slots=True)
+class ResponsesText:
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
+@dataclass(slots=True)
+class ReasoningOptions:
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+@dataclass(slots=True)
+class ResponsesRequest(SamplingExtensions):
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: ResponsesText | None = None
+    reasoning: ReasoningOptions | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    user: str | None = None
+    stream: bool = False
+    # Fields that change the meaning of a request and that rawserve cannot honour: a 400 when set.
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -30,11 +30,16 @@ _CLOSE = b"connection: close\r\n"
 
 
 class SSEResponse:
-    """A 200 (by default) whose body is the events of `events`: dicts, or bytes of encoded JSON."""
+    """A 200 (by default) whose body is the events of `events`: dicts, or bytes of encoded JSON.
 
-    __slots__ = ("events", "status", "headers")
+    `named`: each event is a dict whose "type" also goes out as its `event:` line, and the stream ends
+    without `[DONE]` (the Responses API's framing).
+    """
 
-    def __init__(self, events: AsyncIterator[Any], status: int = 200, headers: HeaderPairs | None = None) -> None:
+    __slots__ = ("events", "status", "headers", "named")
+
+    def __init__(self, events: AsyncIterator[Any], status: int = 200, headers: HeaderPairs | None = None,
+                 named: bool = False) -> None:
         if not hasattr(events, "__anext__"):
             raise ValueError("SSEResponse needs an async iterator of events")
         if not 200 <= status <= 599:
@@ -42,6 +47,7 @@ class SSEResponse:
         self.events = events
         self.status = status
         self.headers = encode_headers(headers)
+        self.named = named
 
 
 def encode_head(response: SSEResponse, is_chunked: bool, keep_alive: bool, extra: bytes = b"") -> bytes:
@@ -58,10 +64,17 @@ def _payload(item: Any) -> bytes:
     return item if type(item) is bytes else bytes(item) if isinstance(item, bytearray) else orjson.dumps(item)
 
 
-def encode_error(error: BaseException) -> bytes:
+def encode_error(error: BaseException, named: bool = False) -> bytes:
     if not isinstance(error, APIError):
         error = APIError(500, "Internal server error while streaming the response.")
+    if named:  # the Responses API's error event
+        body = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+        return b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
     return b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
+
+
+def named_event(item: dict) -> bytes:
+    return b"event: %b\ndata: %b\n\n" % (item["type"].encode(), orjson.dumps(item))
 
 
 class _Pinger:
@@ -105,7 +118,7 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
     high-water mark, the one case where drain() waits. Calling it whenever a few events were
     still unsent cost a coroutine per event exactly when a server is busiest: 12% of SSE throughput.
     """
-    events = response.events
+    events, named = response.events, response.named
     write, buffered, dumps = transport.write, transport.get_write_buffer_size, orjson.dumps
     # drain() can only wait once the transport is over its high-water mark (it has paused us);
     # below it, the kernel is merely behind by a few events and the transport coalesces them.
@@ -117,11 +130,13 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
     try:
         try:
             async for item in events:
-                data = dumps(item) if type(item) is dict else _payload(item)
-                if is_chunked:
+                if named:
+                    write(frame(named_event(item), is_chunked))
+                elif is_chunked:
+                    data = dumps(item) if type(item) is dict else _payload(item)
                     write(b"%x\r\ndata: %b\n\n\r\n" % (len(data) + 8, data))
                 else:
-                    write(b"data: %b\n\n" % data)
+                    write(b"data: %b\n\n" % (dumps(item) if type(item) is dict else _payload(item)))
                 if pinger is not None:
                     pinger.last_write = clock()
                 if buffered() > full:
@@ -132,9 +147,13 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
         except Exception as error:  # the client sees it as an error event; operators in the log
             if not isinstance(error, APIError):
                 logger.exception("SSE event iterator failed after the stream started")
-            write(frame(encode_error(error), is_chunked))
+            write(frame(encode_error(error, named), is_chunked))
             ok = False
-        write(_DONE_AND_END if is_chunked else DONE)
+        if named:
+            if is_chunked:
+                write(b"0\r\n\r\n")
+        else:
+            write(_DONE_AND_END if is_chunked else DONE)
         if buffered() > full:
             await drain()
         return ok

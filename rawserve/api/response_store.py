@@ -1,0 +1,65 @@
+"""Stored responses for GET/DELETE /v1/responses/{id}, input_items and previous_response_id: in memory,
+bounded (least recently used dropped first), each visible only to the API key that created it.
+
+Holds finished response objects and their input items; knows nothing of the engine or of HTTP.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response: dict  # the response object as returned
+    input_items: list[dict]  # this request's own input items, with ids
+    previous: StoredResponse | None  # the turn it continued; kept alive by this link even once evicted
+    api_key: str | None  # None when the server runs without keys
+
+    def conversation(self) -> list[dict]:
+        """Every item of the chain, oldest first: each turn's input, then its output."""
+        turns = []
+        record: StoredResponse | None = self
+        while record is not None:
+            turns.append(record)
+            record = record.previous
+        items: list[dict] = []
+        for turn in reversed(turns):
+            items += turn.input_items
+            items += turn.response["output"]
+        return items
+
+
+class ResponseStore:
+    """id -> StoredResponse, at most `capacity` of them. A chain holds its earlier turns alive through
+    `previous`, so continuing a conversation never finds a hole; its length is bounded by the context."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def put(self, record: StoredResponse) -> None:
+        if self.capacity <= 0:
+            return
+        rid = record.response["id"]
+        self._records[rid] = record
+        self._records.move_to_end(rid)
+        while len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+    def get(self, rid: str, api_key: str | None) -> StoredResponse | None:
+        """The record, or None when it is unknown, evicted, deleted or another key's."""
+        record = self._records.get(rid)
+        if record is None or record.api_key != api_key:
+            return None
+        self._records.move_to_end(rid)
+        return record
+
+    def delete(self, rid: str, api_key: str | None) -> bool:
+        if self.get(rid, api_key) is None:
+            return False
+        del self._records[rid]
+        return True

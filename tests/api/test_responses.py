@@ -1,0 +1,362 @@
+"""The Responses API (POST /v1/responses, stored responses) through the official openai SDK, raw sockets and the
+OpenAI Agents SDK, on the random-weight demo model: outputs are random text, so the tests bound them (max tokens,
+schemas with enums and maxLength) and assert structure, event order and bytes, not content."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+from typing import Literal
+
+import orjson
+import pytest
+
+from rawserve.api.protocol import ChatMessage
+from rawserve.api.response_store import ResponseStore, StoredResponse
+from rawserve.api.responses import OutputItems, chat_messages, input_items
+from rawserve.config import EngineConfig, ServerConfig
+from tests.api.test_openai_server import ServerThread, raw, wait_idle
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+
+MODEL = "demo"
+KEY, OTHER_KEY = "key-a", "key-b"
+AUTH = f"authorization: Bearer {KEY}\r\n"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                          "required": ["city"], "additionalProperties": False}}
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+                 "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from rawserve.demo_model import ensure_demo_model
+
+    srv = ServerThread(EngineConfig(model_dir=str(ensure_demo_model()), device="cpu", num_kv_blocks=256,
+                                    max_model_len=1024),
+                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[KEY, OTHER_KEY],
+                                    responses_store_max=64))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def post(server, body: dict, key: str = KEY) -> tuple[int, bytes]:
+    return raw(server, "POST", "/v1/responses", orjson.dumps(body), f"authorization: Bearer {key}\r\n")
+
+
+def dechunk(payload: bytes) -> bytes:
+    out = b""
+    while True:
+        size, _, rest = payload.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out += rest[:n]
+        payload = rest[n + 2:]
+
+
+def test_string_input_gives_a_response_object_with_usage(client):
+    r = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6, temperature=0)
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", r.id) and r.object == "response" and r.model == MODEL
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    [message] = r.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
+    assert message.content[0].type == "output_text" and message.content[0].annotations == []
+    assert r.output_text == message.content[0].text
+    assert r.usage.output_tokens == 6 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + 6
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.usage.input_tokens_details.cached_tokens >= 0
+
+
+def test_responses_and_chat_give_the_same_tokens_at_temperature_zero(server, client):
+    chat_client = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    call_args = '{"city": "Paris"}'
+    chat = chat_client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, tools=[
+        {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": call_args}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    resp = client.responses.create(model=MODEL, temperature=0, max_output_tokens=12, instructions="Be brief.",
+                                   tools=[WEATHER], input=[
+                                       {"role": "user", "content": [{"type": "input_text",
+                                                                     "text": "Weather in Paris?"}]},
+                                       {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                                        "arguments": call_args},
+                                       {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    text = "".join(item.content[0].text for item in resp.output if item.type == "message")
+    assert text.strip() == (chat.choices[0].message.content or "").strip()
+
+
+def test_required_and_named_tool_choice_give_function_calls(client):
+    time_tool = {"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["tz"]}}
+    r = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER, time_tool], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=120, extra_body={"seed": 1})
+    assert r.status == "completed"
+    [call] = r.output
+    assert call.type == "function_call" and call.name in ("get_weather", "get_time")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    assert isinstance(json.loads(call.arguments), dict)
+    named = client.responses.create(model=MODEL, input="Time?", tools=[WEATHER, time_tool], max_output_tokens=120,
+                                    tool_choice={"type": "function", "name": "get_time"})
+    assert [(c.type, c.name) for c in named.output] == [("function_call", "get_time")]
+    assert -12 <= json.loads(named.output[0].arguments)["tz"] <= 14
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=8)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_parse_with_a_pydantic_text_format_and_json_object(client):
+    parsed = client.responses.parse(model=MODEL, input="Weather?", text_format=Weather, max_output_tokens=80)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Weather)
+    assert parsed.text.format.type == "json_schema"
+    obj = client.responses.create(model=MODEL, input="JSON please", text={"format": {"type": "json_object"}},
+                                  max_output_tokens=60, extra_body={"seed": 0})
+    assert obj.output_text.lstrip().startswith("{")
+    if obj.status == "completed":
+        assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_stream_events_are_openai_s_order_byte_by_byte(server):
+    status, payload = post(server, {"model": MODEL, "input": "yes or no?", "stream": True, "max_output_tokens": 40,
+                                    "text": {"format": {"type": "json_schema", "name": "answer",
+                                                        "schema": ANSWER_SCHEMA}}})
+    assert status == 200
+    body = dechunk(payload)
+    assert b"[DONE]" not in body
+    raw_events = body.split(b"\n\n")
+    assert raw_events.pop() == b""
+    events = []
+    for i, chunk in enumerate(raw_events):
+        head, data = chunk.split(b"\n")
+        event = orjson.loads(data.removeprefix(b"data: "))
+        assert head == b"event: " + event["type"].encode() and event["sequence_number"] == i
+        events.append(event)
+    final = events[-1]["response"]
+    [item] = final["output"]
+    text = item["content"][0]["text"]
+    assert json.loads(text)["answer"] in ("yes", "no")
+    num_deltas = len(events) - 8
+    deltas = [e["delta"] for e in events[4:4 + num_deltas]]
+    assert "".join(deltas) == text and all(deltas)
+    where = {"item_id": item["id"], "output_index": 0}
+    shell = {**final, "status": "in_progress", "output": [], "usage": None}
+    part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+    expected = [
+        {"type": "response.created", "response": shell},
+        {"type": "response.in_progress", "response": shell},
+        {"type": "response.output_item.added", "output_index": 0,
+         "item": {"id": item["id"], "type": "message", "status": "in_progress", "content": [], "role": "assistant"}},
+        {"type": "response.content_part.added", **where, "content_index": 0, "part": part},
+        *({"type": "response.output_text.delta", **where, "content_index": 0, "logprobs": [], "delta": d}
+          for d in deltas),
+        {"type": "response.output_text.done", **where, "content_index": 0, "text": text, "logprobs": []},
+        {"type": "response.content_part.done", **where, "content_index": 0, "part": {**part, "text": text}},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": final},
+    ]
+    assert final["status"] == "completed" and item["status"] == "completed"
+    assert body == b"".join(b"event: %b\ndata: %b\n\n" % (e["type"].encode(), orjson.dumps(
+        {**e, "sequence_number": i})) for i, e in enumerate(expected))
+    status, stored = raw(server, "GET", f"/v1/responses/{final['id']}", headers=AUTH)
+    assert status == 200 and stored == orjson.dumps(final)
+
+
+def test_sdk_stream_with_function_call_events_and_final_response(client):
+    kinds = []
+    with client.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=120) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    [call] = final.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] is not None
+
+
+def test_stored_response_retrieve_input_items_delete_and_other_key_gets_404(server, client):
+    r = client.responses.create(model=MODEL, input=[{"role": "developer", "content": "Be brief."},
+                                                   {"role": "user", "content": "Hi"}], max_output_tokens=3,
+                                metadata={"k": "v"})
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+    items = list(client.responses.input_items.list(r.id, order="asc"))
+    assert [(i.type, i.role) for i in items] == [("message", "developer"), ("message", "user")]
+    assert items[1].content[0].type == "input_text" and items[1].content[0].text == "Hi"
+    newest_first = client.responses.input_items.list(r.id, limit=1)
+    assert [i.id for i in newest_first.data] == [items[1].id] and newest_first.has_more
+    other = openai.OpenAI(base_url=server.base + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r.id)
+    status, body = raw(server, "DELETE", f"/v1/responses/{r.id}", headers=f"authorization: Bearer {OTHER_KEY}\r\n")
+    assert status == 404 and orjson.loads(body) == {"error": {
+        "message": f"Response with id '{r.id}' not found.", "type": "invalid_request_error", "param": None,
+        "code": None}}
+    status, body = post(server, {"model": MODEL, "input": "more", "previous_response_id": r.id}, key=OTHER_KEY)
+    assert status == 404 and orjson.loads(body)["error"]["param"] == "previous_response_id"
+    assert orjson.loads(body)["error"]["code"] == "previous_response_not_found"
+    status, body = raw(server, "DELETE", f"/v1/responses/{r.id}", headers=AUTH)
+    assert status == 200 and orjson.loads(body) == {"id": r.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def metric(server, name: str) -> float:
+    status, body = raw(server, "GET", "/metrics")
+    assert status == 200
+    match = re.search(rb"^rawserve:" + name.encode() + rb"(?:\{[^}]*\})? ([0-9.e+]+)$", body, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_previous_response_id_chains_the_conversation_from_the_prefix_cache(server, client):
+    story = "Once upon a time a dragon guarded a mountain of gold near a quiet village by the sea. " * 3
+    first = client.responses.create(model=MODEL, input=story, instructions="Answer briefly.", max_output_tokens=5,
+                                    temperature=0)
+    wait_idle(server)
+    hits = metric(server, "prefix_cache_hits_total")
+    # As OpenAI's, instructions are not carried over from the earlier turn: sent again, the prefix is the same.
+    second = client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id,
+                                     instructions="Answer briefly.", max_output_tokens=5, temperature=0)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+    assert metric(server, "prefix_cache_hits_total") - hits >= 16
+    # Only this turn's input is its input_items; the earlier turns came from the store.
+    assert [i.content[0].text for i in client.responses.input_items.list(second.id)] == ["And then?"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input.0.content.0.type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nope"}}}},
+     "text.format.schema"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({}, "input"),
+])
+def test_unsupported_or_bad_fields_get_a_400_naming_them(server, body, param):
+    status, payload = post(server, {"model": MODEL, **body})
+    error = orjson.loads(payload)["error"]
+    assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_and_previous_response_get_404(server):
+    status, payload = post(server, {"model": "nope", "input": "x"})
+    assert status == 404 and orjson.loads(payload)["error"]["code"] == "model_not_found"
+    status, payload = post(server, {"model": MODEL, "input": "x", "previous_response_id": "resp_nope"})
+    assert status == 404 and orjson.loads(payload)["error"]["code"] == "previous_response_not_found"
+
+
+def test_a_client_leaving_mid_stream_aborts_the_engine_request(server):
+    body = orjson.dumps({"model": MODEL, "input": "A long story", "stream": True, "max_output_tokens": 500,
+                         "ignore_eos": True})
+    with socket.create_connection(("127.0.0.1", server.app.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{AUTH}\r\n".encode()
+                     + body)
+        seen = b""
+        while b"response.output_text.delta" not in seen:
+            seen += sock.recv(65536)
+    wait_idle(server)
+
+
+def test_output_items_stream_reasoning_then_text_then_a_call():
+    out = OutputItems()
+    events = []
+    for delta in ({"reasoning_content": "think"}, {"reasoning_content": "ing"}, {"content": "Hi"}, {"content": "\n"},
+                  {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "f", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}):
+        events += out.feed(delta)
+    events += out.finish("completed")
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "output_item.added", "reasoning_summary_part.added", "reasoning_summary_text.delta",
+        "reasoning_summary_text.delta", "reasoning_summary_text.done", "reasoning_summary_part.done",
+        "output_item.done", "output_item.added", "content_part.added", "output_text.delta", "output_text.delta",
+        "output_text.done", "content_part.done", "output_item.done", "output_item.added",
+        "function_call_arguments.delta", "function_call_arguments.done", "output_item.done"]
+    reasoning, message, call = out.items
+    assert reasoning["summary"] == [{"type": "summary_text", "text": "thinking"}]
+    assert message["content"][0]["text"] == "Hi\n" and message["status"] == "completed"
+    assert call["arguments"] == "{}" and call["call_id"] == "call_1"
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+
+
+def test_items_become_chat_messages_with_calls_joined_and_reasoning_carried():
+    items = input_items([{"role": "developer", "content": "rules"}, {"role": "user", "content": "q"},
+                         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hmm"}]},
+                         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                         {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                         {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                         {"type": "function_call_output", "call_id": "c2",
+                          "output": [{"type": "input_text", "text": "two"}]}])
+    messages = chat_messages("sys", items)
+    assert [(m.role, m.content) for m in messages] == [("system", "sys"), ("system", "rules"), ("user", "q"),
+                                                       ("assistant", None), ("tool", "one"), ("tool", "two")]
+    assert [c.id for c in messages[3].tool_calls] == ["c1", "c2"] and messages[3].reasoning_content == "hmm"
+    assert isinstance(messages[0], ChatMessage)
+
+
+def test_store_is_a_bounded_lru_scoped_by_key():
+    store = ResponseStore(2)
+
+    def record(rid: str, key: str | None = "a", previous=None) -> StoredResponse:
+        return StoredResponse({"id": rid, "output": [{"id": f"out-{rid}"}]}, [{"id": f"in-{rid}"}], previous, key)
+
+    first = record("r1")
+    store.put(first)
+    store.put(record("r2", previous=first))
+    assert store.get("r1", "b") is None and store.get("r1", "a") is first  # r1 is now the most recent
+    store.put(record("r3"))
+    assert store.get("r2", "a") is None and len(store) == 2  # r2 was the least recently used
+    chained = record("r4", previous=first)
+    assert [i["id"] for i in chained.conversation()] == ["in-r1", "out-r1", "in-r4", "out-r4"]
+    assert not store.delete("r1", None) and store.delete("r1", "a") and store.get("r1", "a") is None
+
+
+def test_an_agents_sdk_turn_calls_a_function_tool(server):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """Current weather for a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=60))
+    agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=100,
+                                                                  parallel_tool_calls=False),
+                         tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, "Weather in Paris?")
+    assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
