@@ -183,7 +183,7 @@ class Ours:
         if schema is None:
             return GuidedSpec("json_object", "", "response_format")
         if isinstance(schema, ForcedTool):
-            tools = ((schema.name, json.dumps(schema.parameters, ensure_ascii=False)),)
+            tools = ((0, schema.name, json.dumps(schema.parameters, ensure_ascii=False)),)
             return GuidedSpec("tools", json.dumps(["hermes", False, tools], ensure_ascii=False), "tool_choice")
         return GuidedSpec("json", json.dumps(schema, ensure_ascii=False), "response_format.json_schema.schema")
 

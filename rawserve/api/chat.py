@@ -68,8 +68,8 @@ def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
     if not req.tools:
         raise APIError(400, "tool_choice other than 'none' or 'auto' needs a non-empty tools list.",
                        param="tool_choice")
-    tools = [(t.function.name, json.dumps(t.function.parameters, ensure_ascii=False)
-              if t.function.parameters is not None else "") for t in req.tools]
+    tools = [(i, t.function.name, json.dumps(t.function.parameters, ensure_ascii=False)
+              if t.function.parameters is not None else "") for i, t in enumerate(req.tools)]
     parallel = req.parallel_tool_calls
     if isinstance(choice, dict):
         function = choice.get("function")
@@ -77,7 +77,7 @@ def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
         if choice.get("type") != "function" or not isinstance(name, str):
             raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
                                 '"function": {"name": "..."}}.', param="tool_choice")
-        tools = [t for t in tools if t[0] == name]
+        tools = [t for t in tools if t[1] == name]
         if not tools:
             raise APIError(400, f"tool_choice names function {name!r}, which is not in tools.",
                            param="tool_choice.function.name")

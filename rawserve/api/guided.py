@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from rawserve.engine.guided.automaton import CompiledGrammar, compile_grammar
 from rawserve.engine.guided.gbnf import check_grammar, parse_gbnf
-from rawserve.engine.guided.grammar import Grammar, GrammarError, Ref, Repeat, Token, alt, byte_set, lit, seq
+from rawserve.engine.guided.grammar import (Grammar, GrammarError, Ref, Repeat, Token, alt, byte_set, iter_tokens, lit,
+                                            seq)
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.regex import parse_regex
 from rawserve.engine.guided.tool_calls import tool_call_grammar
@@ -26,6 +27,7 @@ from rawserve.errors import APIError
 from rawserve.text.tokenizer import Tokenizer
 
 ANY_BYTE = byte_set([(0, 255)])
+VOCAB_SIZE_KEY = "\x00vocab_size"
 MAX_SPEC_CHARS = 256 * 1024  # a schema, pattern or grammar's text; larger ones are refused
 MAX_CHOICES = 4096
 CACHE_SIZE = 256
@@ -52,7 +54,7 @@ class GuidedSpec:
 @dataclass(frozen=True, slots=True)
 class ToolForcing:
     """tool_choice 'required' or a named function, as a grammar input."""
-    tools: tuple[tuple[str, str], ...]  # (name, parameters as JSON text or "")
+    tools: tuple[tuple[int, str, str], ...]  # (index in the request's tools, name, parameters as JSON or "")
     parallel: bool
     style: str
 
@@ -155,8 +157,11 @@ def with_reasoning(grammar: Grammar, think: str, added: Mapping[str, int]) -> Gr
 
 
 def added_tokens(tokenizer: Tokenizer) -> dict[str, int]:
-    """The vocabulary's added tokens, text -> id: a grammar matches these by id, never by spelling them."""
-    return {text: i for i in sorted(tokenizer.added_token_ids) if (text := tokenizer.id_to_token(i)) is not None}
+    """The vocabulary's added tokens, text -> id: a grammar matches these by id, never by spelling them.
+    Under VOCAB_SIZE_KEY (no token's text), the vocabulary's size, which a token reference must stay under."""
+    added = {text: i for i in sorted(tokenizer.added_token_ids) if (text := tokenizer.id_to_token(i)) is not None}
+    added[VOCAB_SIZE_KEY] = tokenizer.vocab_size
+    return added
 
 
 def build_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
@@ -181,11 +186,17 @@ def _answer_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
     if spec.kind == "grammar":
         grammar = parse_gbnf(spec.text, added.get)
         check_grammar(grammar)
+        vocab_size = added.get(VOCAB_SIZE_KEY)
+        for node in grammar.rules.values():
+            for token_id in iter_tokens(node):
+                if vocab_size is not None and not 0 <= token_id < vocab_size:
+                    raise GrammarError(f"token <[{token_id}]> is outside the vocabulary (size {vocab_size})")
         return grammar
     style, parallel, tools = json.loads(spec.text)
     open_tag, close_tag = (Token(added[text]) if text in added else lit(text)
                            for text in ("<tool_call>", "</tool_call>"))
-    return tool_call_grammar([(name, json.loads(params) if params else None) for name, params in tools],
+    return tool_call_grammar([(name, json.loads(params) if params else None) for _, name, params in tools],
+                             indices=[index for index, _, _ in tools],
                              style=style, parallel=parallel, open_tag=open_tag, close_tag=close_tag)
 
 
@@ -231,7 +242,8 @@ class GrammarCache:
             raise APIError(500, f"Compiling {spec.param} failed: the compile worker died.",
                            code="internal_error") from None
         except GrammarError as error:
-            raise APIError(400, f"Invalid {spec.param}: {error}", param=spec.param) from None
+            param = error.param or spec.param
+            raise APIError(400, f"Invalid {param}: {error}", param=param) from None
         except RecursionError:
             raise APIError(400, f"Invalid {spec.param}: it is nested too deeply.", param=spec.param) from None
         self._compiled[spec.key] = compiled

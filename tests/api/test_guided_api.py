@@ -169,6 +169,10 @@ def test_gbnf_regex_and_choice_on_completions_and_chat(client):
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "nope"),
     ({"guided_choice": []}, "guided_choice", "list"),
+    ({"guided_grammar": 'root ::= <[99999999]> "x"'}, "guided_grammar", "outside the vocabulary"),
+    ({"tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"x": {"not": {}}}}}}], "tool_choice": "required"},
+     "tools.1.function.parameters", "'not'"),
     ({"guided_regex": "(.{0,5000}){0,60}"}, "guided_regex", "too large"),
 ])
 def test_bad_constraints_get_a_400_naming_the_field(server, body, param, words):

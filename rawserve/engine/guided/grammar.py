@@ -12,7 +12,15 @@ MAX_UNICODE = 0x10FFFF
 
 
 class GrammarError(ValueError):
-    """A grammar, regex or schema that cannot be compiled; the message says what and where."""
+    """A grammar, regex or schema that cannot be compiled; the message says what and where. `param` names
+    the request field at fault when it is narrower than the one the grammar came from (a tool's parameters)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # it crosses from the compile worker with its param
+        return (GrammarError, (str(self), self.param))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,19 @@ def iter_refs(node: Node):
         n = stack.pop()
         if isinstance(n, Ref):
             yield n.name
+        elif isinstance(n, (Seq, Alt)):
+            stack.extend(n.items)
+        elif isinstance(n, Repeat):
+            stack.append(n.item)
+
+
+def iter_tokens(node: Node):
+    """The special-token ids a node names."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Token):
+            yield n.token_id
         elif isinstance(n, (Seq, Alt)):
             stack.extend(n.items)
         elif isinstance(n, Repeat):

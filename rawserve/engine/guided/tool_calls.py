@@ -17,10 +17,11 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 def tool_call_grammar(tools: list[tuple[str, dict | None]], *, style: str, parallel: bool,
                       open_tag: Node | None = None, close_tag: Node | None = None,
-                      whitespace: str = "compact") -> Grammar:
+                      whitespace: str = "compact", indices: list[int] | None = None) -> Grammar:
     """One or more calls (exactly one unless `parallel`), each naming one of `tools` (name,
     parameters schema) with arguments valid against that schema. For hermes, open_tag/close_tag are
-    the <tool_call> tags as the vocabulary has them (a Token when it is one added token)."""
+    the <tool_call> tags as the vocabulary has them (a Token when it is one added token). `indices`: each
+    tool's place in the request's tools list, for the param of an error in its schema."""
     if not tools:
         raise GrammarError("a forced tool call needs at least one tool")
     if style not in STYLES:
@@ -28,8 +29,12 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], *, style: str, paral
     rules: dict[str, Node] = {}
     calls = []
     for i, (name, parameters) in enumerate(tools):
-        args = add_schema_rules(rules, NO_PARAMETERS if parameters is None else parameters, f"tool{i}-",
-                                whitespace)
+        try:
+            args = add_schema_rules(rules, NO_PARAMETERS if parameters is None else parameters, f"tool{i}-",
+                                    whitespace)
+        except GrammarError as error:
+            index = indices[i] if indices is not None else i
+            raise GrammarError(f"function {name!r}: {error}", param=f"tools.{index}.function.parameters") from None
         head = lit('{"name": ' + json.dumps(name, ensure_ascii=False) + ", ")
         if style == "hermes":
             calls.append(seq(open_tag or lit("<tool_call>"), lit("\n"), head, lit('"arguments": '), args,
