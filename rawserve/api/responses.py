@@ -306,6 +306,11 @@ class OutputItems:
                           "item": dict(item)}]
 
 
+def _pick(value: float | None, default: float | None, fallback: float) -> float:
+    """The value sampling used: the request's, else the checkpoint's default, else OpenAI's."""
+    return value if value is not None else default if default is not None else fallback
+
+
 class ResponseRun:
     """One started request: the response object at each stage, its output, its store entry."""
 
@@ -333,9 +338,9 @@ class ResponseRun:
             "output": [dict(item) for item in self.output.items] if status != "in_progress" else [],
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": effort, "summary": summary}, "store": req.store,
-            "temperature": req.temperature if req.temperature is not None else (d.temperature or 1.0),
+            "temperature": _pick(req.temperature, d.temperature, 1.0),
             "text": {"format": text_format}, "tool_choice": req.tool_choice, "tools": req.tools or [],
-            "top_p": req.top_p if req.top_p is not None else (d.top_p or 1.0), "truncation": "disabled",
+            "top_p": _pick(req.top_p, d.top_p, 1.0), "truncation": "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {},
         }
 

@@ -9,9 +9,9 @@ from rawserve.http import JSONResponse, Request, Router, SSEResponse
 from tests.http.harness import client, serve
 
 
-def stream_router(make_events) -> Router:
+def stream_router(make_events, named: bool = False) -> Router:
     async def events(request: Request) -> SSEResponse:
-        return SSEResponse(make_events())
+        return SSEResponse(make_events(), named=named)
 
     router = Router()
     router.add("GET", "/events", events)
@@ -78,6 +78,22 @@ async def test_api_error_mid_stream_is_sent_in_its_own_shape():
         assert b'data: {"error":{"message":"Prompt too long.","type":"invalid_request_error","param":"messages",' \
                b'"code":"context_length_exceeded"}}\n\n' in reply.body
         assert reply.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_named_events_carry_event_lines_and_end_without_done():
+    async def typed() -> AsyncIterator[dict]:
+        yield {"type": "response.created", "sequence_number": 0}
+        raise APIError(500, "boom", code="internal_error")
+
+    async with serve(stream_router(typed, named=True)) as server, client(server.port) as c:
+        await c.send(b"GET /events HTTP/1.1\r\nHost: t\r\n\r\n")
+        raw = b""
+        while not raw.endswith(b"\r\n0\r\n\r\n"):
+            raw += await c.read_raw()
+        body = raw.partition(b"\r\n\r\n")[2]
+        first = b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+        error = b'event: error\ndata: {"type":"error","code":"internal_error","message":"boom","param":null}\n\n'
+        assert body == b"%x\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(first), first, len(error), error)
 
 
 async def test_api_error_before_the_stream_starts_is_a_plain_status():
