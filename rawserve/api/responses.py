@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -198,6 +199,9 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatRequ
 
 def _renamed(error: APIError) -> APIError:
     """A refusal from chat's path, naming the Responses field instead of chat's."""
+    if error.param is not None and re.match(r"tools\.\d+\.function\.", error.param):  # a flat tool in Responses
+        error.param = error.param.replace(".function.", ".", 1)
+        return error
     for chat_name, name in _PARAMS:
         if error.param is not None and (error.param == chat_name or error.param.startswith(chat_name + ".")):
             error.param = name + error.param[len(chat_name):]

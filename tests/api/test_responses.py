@@ -259,6 +259,8 @@ def test_previous_response_id_chains_the_conversation_from_the_prefix_cache(serv
      "text.format.schema"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id"),
+    ({"input": "x", "tool_choice": "required", "tools": [{**WEATHER, "parameters": {"type": "nope"}}]},
+     "tools.0.parameters"),
     ({}, "input"),
 ])
 def test_unsupported_or_bad_fields_get_a_400_naming_them(server, body, param):
