@@ -195,7 +195,7 @@ class Ours:
     def compile(self, schema, key: str):
         """(runtime, compile_s, first_mask_s), all cold: a fresh key, so nothing is shared with earlier runs.
         The spec's text is made before the clock starts (the cached path times it)."""
-        from rawserve.engine.guided.automaton import compile_grammar
+        from rawserve.engine.guided.nfa import compile_grammar
         from rawserve.engine.guided.matcher import GrammarRuntime, GuidedState
 
         spec = self.spec(schema)
@@ -539,7 +539,7 @@ def decode_run(core, prompts: list[list[int]], output_len: int, guided, tag: str
 def bench_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> list[dict]:
     from rawserve.config import EngineConfig
     from rawserve.engine.core import EngineCore
-    from rawserve.engine.guided.automaton import compile_grammar
+    from rawserve.engine.guided.nfa import compile_grammar
 
     batch, out_len = args.batch, args.decode_tokens
     prompts = [tokenizer.encode(f"Order #{i}: reply with the order as one JSON object.") for i in range(batch)]

@@ -16,11 +16,11 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
-from rawserve.engine.guided.automaton import CompiledGrammar, compile_grammar
 from rawserve.engine.guided.gbnf import check_grammar, parse_gbnf
 from rawserve.engine.guided.grammar import (Grammar, GrammarError, Ref, Repeat, Token, alt, byte_set, iter_tokens, lit,
                                             seq)
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
+from rawserve.engine.guided.nfa import CompiledGrammar, compile_grammar
 from rawserve.engine.guided.regex import parse_regex
 from rawserve.engine.guided.tool_calls import tool_call_grammar
 from rawserve.errors import APIError

@@ -16,7 +16,7 @@ from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
 from rawserve.engine import rules
 from rawserve.engine.frontend.async_llm import AsyncLLM, RequestStream, TextOutput
-from rawserve.engine.guided.automaton import CompiledGrammar
+from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from rawserve.errors import APIError, EngineDead, Overloaded
 from rawserve.text.defaults import GenerationDefaults

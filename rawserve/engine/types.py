@@ -8,7 +8,7 @@ import copy
 import hashlib
 from dataclasses import dataclass, field
 
-from rawserve.engine.guided.automaton import CompiledGrammar
+from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.rules import check_params_vocab
 from rawserve.text.stop import normalize_stop
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from rawserve.api.guided import GuidedSpec, added_tokens, build_grammar, think_mode
-from rawserve.engine.guided.automaton import Automaton, compile_grammar
+from rawserve.engine.guided.automaton import Automaton
 from rawserve.engine.guided.grammar import TOKEN_BASE, symbols
+from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.text.tokenizer import Tokenizer
 from tests.conftest import fixture_path
 

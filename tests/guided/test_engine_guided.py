@@ -10,7 +10,7 @@ import pytest
 
 from rawserve.config import EngineConfig
 from rawserve.engine.core import EngineCore
-from rawserve.engine.guided.automaton import compile_grammar
+from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.grammar import Grammar, Token, lit
 from rawserve.engine.guided.regex import parse_regex
 from rawserve.engine.types import SamplingParams

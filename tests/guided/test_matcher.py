@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
-from rawserve.engine.guided.automaton import DEAD, Automaton, compile_grammar
+from rawserve.engine.guided.automaton import DEAD, Automaton
 from rawserve.engine.guided.grammar import (ANY_CHAR, EMPTY, TOKEN_BASE, Grammar, GrammarError, Ref, Repeat, Token,
                                             accepts, alt, byte_set, codepoint_ranges, lit, seq)
 from rawserve.engine.guided.matcher import GrammarRuntime, GuidedRegistry, GuidedState
+from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.vocab import VocabIndex
 
 DIGIT = byte_set([(48, 57)])

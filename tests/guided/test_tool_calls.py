@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from rawserve.engine.guided.automaton import Automaton, compile_grammar
+from rawserve.engine.guided.automaton import Automaton
 from rawserve.engine.guided.grammar import TOKEN_BASE, GrammarError, Token, accepts, symbols
+from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.tool_calls import tool_call_grammar
 from rawserve.text.parsers.hermes import HermesToolParser
 from rawserve.text.parsers.llama3_json import Llama3JsonToolParser

@@ -11,7 +11,8 @@ from collections import OrderedDict
 
 import torch
 
-from rawserve.engine.guided.automaton import DEAD, Automaton, CompiledGrammar
+from rawserve.engine.guided.automaton import DEAD, Automaton
+from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.vocab import VocabIndex
 
 _NEG_INF = float("-inf")

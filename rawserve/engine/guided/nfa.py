@@ -1,0 +1,256 @@
+"""Grammar IR -> a byte-level NFA with rule calls (`CompiledGrammar`), and its compact pickled form.
+
+Plain lists of ints, no torch: built once per grammar in the compile worker, sent to the core inside
+SamplingParams, and run there by `automaton.Automaton`.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+
+from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, GrammarError, Node, Ref, Repeat, Seq,
+                                            Token, iter_refs)
+
+MAX_NFA_STATES = 250_000
+# A rule used in more than one place is copied into each only when it is this small; bigger ones are called
+# (one copy, a stack frame at run time). Copying chains of shared rules is how the NFA of a schema with
+# optional properties went quadratic: 100 optional properties made 120,854 states.
+INLINE_MAX_NODES = 64
+
+
+@dataclass(slots=True)
+class CompiledGrammar:
+    """A grammar's NFA. States are indices; every list below is indexed by state.
+
+    byte_edges[s]: (lo, hi, target) byte ranges; token_edges[s]: (token_id, target);
+    call_edges[s]: (rule, return_state); eps[s]: targets. A called rule r runs from rule_start[r] to
+    rule_final[r]; the grammar accepts at rule_final[start_rule] with an empty stack.
+    """
+    key: str
+    eps: list[list[int]]
+    byte_edges: list[list[tuple[int, int, int]]]
+    token_edges: list[list[tuple[int, int]]]
+    call_edges: list[list[tuple[int, int]]]
+    is_final: list[bool]
+    rule_start: list[int]
+    rule_final: list[int]
+    start_rule: int
+    _packed: dict | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_states(self) -> int:
+        return len(self.eps)
+
+    # Pickled flat: lists of small lists of tuples took 4 s to unpickle for a 120k-state NFA (in the core, in
+    # its step). As int arrays they cross the pipe as bytes, and rows are sliced out only when read.
+    def __getstate__(self) -> dict:
+        if self._packed is not None:  # unpickled here: send on what came in, without walking the edges again
+            return self._packed
+        state = {"key": self.key, "rule_start": self.rule_start, "rule_final": self.rule_final,
+                 "start_rule": self.start_rule, "is_final": bytes(self.is_final)}
+        for name, width in _EDGE_LISTS:
+            offsets = array("i", [0])
+            flat = array("i")
+            for edges in getattr(self, name):
+                for edge in edges:
+                    if width == 1:
+                        flat.append(edge)
+                    else:
+                        flat.extend(edge)
+                offsets.append(len(flat))
+            state[name] = (offsets, flat)
+        self._packed = state
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self._packed = state
+        self.key, self.rule_start, self.rule_final = state["key"], state["rule_start"], state["rule_final"]
+        self.start_rule = state["start_rule"]
+        self.is_final = list(map(bool, state["is_final"]))
+        for name, width in _EDGE_LISTS:
+            offsets, flat = state[name]
+            setattr(self, name, _Rows(offsets.tolist(), flat.tolist(), width))
+
+
+_EDGE_LISTS = (("eps", 1), ("byte_edges", 3), ("token_edges", 2), ("call_edges", 2))
+
+
+def has_edges(a: list | _Rows, b: list | _Rows) -> list[bool]:
+    """Per state: any edge in a or b (from the offsets alone when the lists are flat)."""
+    if isinstance(a, _Rows) and isinstance(b, _Rows):
+        ao, bo = a.offsets, b.offsets
+        return [x != y or u != w for x, y, u, w in zip(ao, ao[1:], bo, bo[1:])]
+    return [bool(a[s] or b[s]) for s in range(len(a))]
+
+
+class _Rows:
+    """Per-state edge lists read from flat ints: rows[s] is state s's list (of ints, or of width-tuples)."""
+
+    __slots__ = ("offsets", "flat", "width")
+
+    def __init__(self, offsets: list[int], flat: list[int], width: int) -> None:
+        self.offsets, self.flat, self.width = offsets, flat, width
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, s: int) -> list:
+        a, b = self.offsets[s], self.offsets[s + 1]
+        if self.width == 1:
+            return self.flat[a:b]
+        return list(zip(*[iter(self.flat[a:b])] * self.width))
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
+
+
+def _cyclic_rules(grammar: Grammar) -> set[str]:
+    """Rules that can reach themselves through references (they must be called, never copied)."""
+    graph = {name: set(iter_refs(node)) for name, node in grammar.rules.items()}
+    cyclic = set()
+    for name in graph:
+        seen: set[str] = set()
+        stack = list(graph[name])
+        while stack:
+            r = stack.pop()
+            if r == name:
+                cyclic.add(name)
+                break
+            if r not in seen:
+                seen.add(r)
+                stack.extend(graph.get(r, ()))
+    return cyclic
+
+
+class _Builder:
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.eps: list[list[int]] = []
+        self.byte_edges: list[list[tuple[int, int, int]]] = []
+        self.token_edges: list[list[tuple[int, int]]] = []
+        self.call_edges: list[list[tuple[int, int]]] = []
+        self.cyclic = _cyclic_rules(grammar)
+        self.num_uses = Counter(r for node in grammar.rules.values() for r in iter_refs(node))
+        self.sizes: dict[str, int] = {}
+        self.rule_index: dict[str, int] = {}
+        self.rule_start: list[int] = []
+        self.rule_final: list[int] = []
+        self.pending: list[str] = []
+
+    def new(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise GrammarError(f"the grammar is too large (over {MAX_NFA_STATES} automaton states); "
+                               "lower repeat counts or lengths")
+        self.eps.append([])
+        self.byte_edges.append([])
+        self.token_edges.append([])
+        self.call_edges.append([])
+        return len(self.eps) - 1
+
+    def size(self, node: Node, depth: int = 0) -> int:
+        """Node count with non-recursive references expanded (capped: only compared with a limit)."""
+        if isinstance(node, Ref):
+            if node.name in self.cyclic or depth > 64:
+                return 1
+            if node.name not in self.sizes:
+                self.sizes[node.name] = self.size(self.grammar.rules[node.name], depth + 1)
+            return self.sizes[node.name]
+        if isinstance(node, (Seq, Alt)):
+            return 1 + sum(self.size(n, depth) for n in node.items)
+        if isinstance(node, Repeat):
+            copies = max(node.min, 1) + (0 if node.max is None else max(0, node.max - node.min))
+            return 1 + min(copies, 1 << 20) * self.size(node.item, depth)
+        if isinstance(node, Bytes):
+            return max(1, len(node.data))
+        return 1
+
+    def rule(self, name: str) -> int:
+        """The index of a called rule, compiled once (its body is built after the caller's)."""
+        index = self.rule_index.get(name)
+        if index is None:
+            index = len(self.rule_start)
+            self.rule_index[name] = index
+            self.rule_start.append(self.new())
+            self.rule_final.append(self.new())
+            self.pending.append(name)
+        return index
+
+    def build(self, node: Node, start: int, end: int) -> None:
+        """Connect start to end through `node`. Adds no edge into `start` nor out of `end`, so
+        alternatives may share both; loops go through fresh states."""
+        if isinstance(node, Bytes):
+            data = node.data
+            if not data:
+                self.eps[start].append(end)
+                return
+            state = start
+            for i, b in enumerate(data):
+                target = end if i == len(data) - 1 else self.new()
+                self.byte_edges[state].append((b, b, target))
+                state = target
+        elif isinstance(node, ByteSet):
+            for lo, hi in node.ranges:
+                self.byte_edges[start].append((lo, hi, end))
+        elif isinstance(node, Token):
+            self.token_edges[start].append((node.token_id, end))
+        elif isinstance(node, Seq):
+            state = start
+            for i, item in enumerate(node.items):
+                target = end if i == len(node.items) - 1 else self.new()
+                self.build(item, state, target)
+                state = target
+        elif isinstance(node, Alt):  # branches share start and end: none adds an edge into one or out of the other
+            for item in node.items:
+                self.build(item, start, end)
+        elif isinstance(node, Repeat):
+            self._repeat(node, start, end)
+        elif isinstance(node, Ref):
+            if node.name not in self.grammar.rules:
+                raise GrammarError(f"undefined rule {node.name!r}")
+            name = node.name
+            if name in self.cyclic or (self.num_uses[name] > 1 and self.size(node) > INLINE_MAX_NODES):
+                self.call_edges[start].append((self.rule(node.name), end))
+            else:
+                self.build(self.grammar.rules[node.name], start, end)
+        else:
+            raise TypeError(f"not a grammar node: {node!r}")
+
+    def _repeat(self, node: Repeat, start: int, end: int) -> None:
+        if node.max is not None and node.max < node.min:
+            raise GrammarError(f"a repeat's maximum ({node.max}) is below its minimum ({node.min})")
+        state = start
+        for _ in range(node.min):  # required copies
+            target = self.new()
+            self.build(node.item, state, target)
+            state = target
+        if node.max is None:  # then a loop
+            loop_in, loop_out = self.new(), self.new()
+            self.eps[state].append(loop_in)
+            self.build(node.item, loop_in, loop_out)
+            self.eps[loop_out].append(loop_in)
+            self.eps[state].append(end)
+            self.eps[loop_out].append(end)
+            return
+        for _ in range(node.max - node.min):  # optional copies, each may stop early
+            self.eps[state].append(end)
+            target = self.new()
+            self.build(node.item, state, target)
+            state = target
+        self.eps[state].append(end)
+
+
+def compile_grammar(grammar: Grammar, key: str) -> CompiledGrammar:
+    """Build the NFA; GrammarError if it is malformed or too large. `key` names it in caches."""
+    grammar.check()
+    b = _Builder(grammar)
+    start_rule = b.rule(grammar.start)
+    while b.pending:
+        name = b.pending.pop()
+        index = b.rule_index[name]
+        b.build(grammar.rules[name], b.rule_start[index], b.rule_final[index])
+    is_final = [False] * len(b.eps)
+    for f in b.rule_final:
+        is_final[f] = True
+    return CompiledGrammar(key, b.eps, b.byte_edges, b.token_edges, b.call_edges, is_final, b.rule_start,
+                           b.rule_final, start_rule)
