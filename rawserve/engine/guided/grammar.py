@@ -86,29 +86,26 @@ class Grammar:
                     raise GrammarError(f"rule {name!r} refers to undefined rule {ref!r}")
 
 
-def iter_refs(node: Node):
+def iter_nodes(node: Node):
+    """Every node under `node` (itself included); rule references are not followed."""
     stack = [node]
     while stack:
         n = stack.pop()
-        if isinstance(n, Ref):
-            yield n.name
-        elif isinstance(n, (Seq, Alt)):
+        yield n
+        if isinstance(n, (Seq, Alt)):
             stack.extend(n.items)
         elif isinstance(n, Repeat):
             stack.append(n.item)
+
+
+def iter_refs(node: Node):
+    """The rule names a node refers to."""
+    return (n.name for n in iter_nodes(node) if isinstance(n, Ref))
 
 
 def iter_tokens(node: Node):
     """The special-token ids a node names."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, Token):
-            yield n.token_id
-        elif isinstance(n, (Seq, Alt)):
-            stack.extend(n.items)
-        elif isinstance(n, Repeat):
-            stack.append(n.item)
+    return (n.token_id for n in iter_nodes(node) if isinstance(n, Token))
 
 
 # ----- constructors that simplify as they build
