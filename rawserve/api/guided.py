@@ -165,8 +165,13 @@ def added_tokens(tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def build_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
-    """The spec as a grammar (GrammarError if it cannot be one), after any reasoning block."""
-    return with_reasoning(_answer_grammar(spec, added), spec.think, added)
+    """The spec as a grammar (GrammarError if it cannot be one), after any reasoning block. A grammar that
+    names the reasoning tags itself (a GBNF `<think> … </think>`) already says how reasoning goes: as is."""
+    grammar = _answer_grammar(spec, added)
+    tags = {added[t] for t in ("<think>", "</think>") if t in added}
+    if tags and any(t in tags for node in grammar.rules.values() for t in iter_tokens(node)):
+        return grammar
+    return with_reasoning(grammar, spec.think, added)
 
 
 def compile_spec(spec: GuidedSpec, added: Mapping[str, int]) -> CompiledGrammar:

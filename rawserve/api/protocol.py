@@ -49,6 +49,12 @@ class SamplingExtensions:
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # structured output, vLLM's names
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 @dataclass(slots=True)
@@ -62,13 +68,7 @@ class SamplingFields(SamplingExtensions):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # structured output (vLLM's names; response_format is OpenAI's)
-    response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's structured output (Responses has text.format)
 
 
 @dataclass(slots=True)

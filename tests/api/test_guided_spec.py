@@ -40,3 +40,11 @@ def test_reasoning_block_comes_before_the_constrained_answer(tok, think, answer_
 
 def test_the_reasoning_mode_is_part_of_the_cache_key():
     assert GuidedSpec("json", SCHEMA, "p", "may").key != GuidedSpec("json", SCHEMA, "p").key
+
+
+def test_a_grammar_that_spells_the_reasoning_block_is_taken_as_is(tok):
+    start, end = TOKEN_BASE + tok.token_to_id("<think>"), TOKEN_BASE + tok.token_to_id("</think>")
+    spec = GuidedSpec("grammar", 'root ::= <think> "plan" </think> "\\n\\n" ("yes" | "no")', "guided_grammar", "may")
+    a = Automaton(compile_grammar(build_grammar(spec, added_tokens(tok)), "spelled"))
+    assert a.matches((start, *symbols("plan"), end, *symbols("\n\nyes")))
+    assert not a.matches((start, *symbols("x"), end, start, *symbols("plan"), end, *symbols("\n\nyes")))
