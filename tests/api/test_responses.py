@@ -362,3 +362,28 @@ def test_an_agents_sdk_turn_calls_a_function_tool(server):
                          tool_use_behavior="stop_on_first_tool")
     result = agents.Runner.run_sync(agent, "Weather in Paris?")
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
+
+
+def test_a_stream_whose_engine_dies_ends_with_response_failed():
+    import os
+    import signal
+
+    from rawserve.demo_model import ensure_demo_model
+
+    srv = ServerThread(EngineConfig(model_dir=str(ensure_demo_model()), device="cpu", num_kv_blocks=128,
+                                    max_model_len=1024),
+                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="process", api_key=[]))
+    try:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        events = []
+        with client.responses.create(model=MODEL, input="Go on", max_output_tokens=900, stream=True,
+                                     extra_body={"ignore_eos": True}) as stream:
+            for event in stream:
+                events.append(event)
+                if event.type == "response.output_text.delta" and len(events) == 6:
+                    os.kill(srv.app.llm.info["pid"], signal.SIGKILL)
+        assert events[-1].type == "response.failed"
+        assert events[-1].response.status == "failed" and events[-1].response.error is not None
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    finally:
+        srv.stop()
