@@ -208,3 +208,19 @@ def test_mask_caches_past_their_byte_bound_are_dropped_and_rebuilt_equal(monkeyp
     runtime.mask(cid)  # over the bound: the caches were cleared before this build
     assert runtime.start not in runtime._masks and runtime.cache_bytes > 0
     assert torch.equal(runtime.mask(runtime.start).allowed(vocab.vocab_size), first)
+
+
+def test_a_grammar_past_its_configuration_bound_stops_growing(monkeypatch):
+    import rawserve.engine.guided.matcher as matcher
+
+    tokens, specials = small_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens))
+    runtime = GrammarRuntime(compile_grammar(GRAMMARS["parens"], "parens"), vocab)
+    monkeypatch.setattr(matcher, "MAX_CONFIGS", runtime.automaton.num_configs + 5)
+    cid = runtime.start
+    for _ in range(40):  # each "(" is a new configuration (a deeper stack)
+        cid = runtime.advance(cid, tokens.index(b"("))
+        if cid == DEAD:
+            break
+    assert cid == DEAD and runtime.automaton.num_configs <= matcher.MAX_CONFIGS + 260
+    assert runtime.mask(DEAD).num_allowed == 0  # the request can only end

@@ -18,13 +18,15 @@ from rawserve.engine.guided.vocab import VocabIndex
 _NEG_INF = float("-inf")
 # A configuration that more first bytes than this can continue is walked densely (every trie node at once).
 DENSE_WALK_FIRST_BYTES = 24
-MAX_CONFIGS = 200_000
+# Per grammar: past this many configurations (about 4 KB each with their transition rows) an adversarial
+# grammar stops growing, and its requests end. Real ones stay far below: 4,660 for a long 20-property output.
+MAX_CONFIGS = 50_000
 # Per grammar, the walks and masks kept; past this they are dropped and rebuilt as reached (a wide mask is
 # up to 600 KB, and an adversarial grammar can reach thousands of configurations).
 MAX_CACHE_BYTES = 64 << 20
 # Stack frames a mask's base walk keeps: tokens that close more nested rules than this (e.g. `}}]}`)
 # are checked one by one against the whole stack.
-TRUNCATE_DEPTH = 3  # per grammar: past this an adversarial grammar stops growing (its rows end)
+TRUNCATE_DEPTH = 3
 
 
 class TokenMask:
@@ -108,6 +110,7 @@ class GrammarRuntime:
                 data = self.vocab.token_bytes[token_id] if 0 <= token_id < len(self.vocab.token_bytes) else b""
                 nxt = a.step_bytes(cid, data) if data and token_id not in self.vocab.special_set else DEAD
             self._token_next[key] = nxt
+            self.cache_bytes += 100  # the dict entry
         return nxt
 
     def mask(self, cid: int) -> TokenMask:
@@ -132,6 +135,7 @@ class GrammarRuntime:
             self._masks.clear()
             self._walks.clear()
             self._shared.clear()
+            self._token_next.clear()
             self.cache_bytes = 0
         a = self.automaton
         base = a.truncate(cid, TRUNCATE_DEPTH) if cid != DEAD else DEAD
