@@ -68,6 +68,30 @@ class EngineConfig:
         "help": "Attention implementation: torch (portable, CPU and CUDA; the only one so far).",
         "choices": ATTENTION_BACKENDS})
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "Serve LoRA adapters (implied by --lora-modules): reserves --max-loras slots of rank "
+                "--max-lora-rank on every decoder linear."})
+    lora_modules: list[str] | None = field(default=None, metadata={
+        "help": "A LoRA adapter to serve, as name=path (a PEFT directory); repeatable. Requests select it "
+                "with model: name or a lora field."})
+    max_loras: int = field(default=1, metadata={
+        "help": "Adapters resident at once, and so most distinct adapters in one step (vLLM's flag)."})
+    max_lora_rank: int = field(default=16, metadata={"help": "Largest adapter rank accepted."})
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def lora_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}."""
+        paths = {}
+        for item in self.lora_modules or ():
+            for spec in item.split():
+                name, sep, path = spec.partition("=")
+                _check(bool(sep and name and path), "lora_modules", f"expected name=path, got {spec!r}")
+                _check(name not in paths, "lora_modules", f"adapter name {name!r} given twice")
+                paths[name] = path
+        return paths
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -84,6 +108,9 @@ class EngineConfig:
                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        self.lora_paths()
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from rawserve.config import EngineConfig
 from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
 from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
+from rawserve.engine.lora import LoraAdapter, read_adapter
 from rawserve.engine.model_runner import ModelRunner
 from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
@@ -38,7 +39,13 @@ class EngineCore:
         self.eos_token_ids: tuple[int, ...] = tuple(self.runner.eos_token_ids)
         self.blocks = KVCacheManager(self.runner.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_loras=config.max_loras if config.lora_enabled else 0)
+        self.loras: dict[str, LoraAdapter] = {}  # adapters that may be asked for, on the CPU
+        self._lora_users: dict[str, int] = {}  # adapter -> unfinished requests using it
+        self._unloading: set[str] = set()  # unloaded while in use: dropped when its last request ends
+        for name, path in config.lora_paths().items():
+            self.load_lora(name, path)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
         self._guided: GuidedRegistry | None = None
@@ -59,6 +66,43 @@ class EngineCore:
                 raise ValueError("guided: this engine has no tokenizer to build token masks from")
             self._guided = GuidedRegistry(load_vocab_index(model_dir, self.vocab_size), self.runner.device)
         return self._guided
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read and check an adapter (LoraError, naming what is wrong) and make it available by name."""
+        if self.runner.lora is None:
+            raise ValueError("lora: this engine was started without LoRA support (--enable-lora or --lora-modules)")
+        if name in self._unloading:
+            raise ValueError(f"lora: adapter {name!r} is being unloaded; its last requests are still running")
+        if name in self.loras:
+            raise ValueError(f"lora: an adapter named {name!r} is already loaded")
+        self.loras[name] = read_adapter(name, path, self.runner.model_config, self.config.max_lora_rank)
+
+    def unload_lora(self, name: str) -> None:
+        """Refuse new requests for the adapter now; drop it once its last request ends (KeyError: unknown)."""
+        if name not in self.loras or name in self._unloading:
+            raise KeyError(name)
+        if self._lora_users.get(name):
+            self._unloading.add(name)
+        else:
+            self._drop_lora(name)
+
+    def _drop_lora(self, name: str) -> None:
+        if self.loras.pop(name, None) is not None:
+            self.scheduler.lora_slots.evict(name)
+
+    def lora_names(self) -> list[str]:
+        return [name for name in self.loras if name not in self._unloading]
+
+    def _request_done(self, req: Request) -> None:
+        name = req.lora
+        if name is not None:
+            left = self._lora_users[name] - 1
+            self._lora_users[name] = left
+            if not left:
+                del self._lora_users[name]
+                if name in self._unloading:
+                    self._unloading.discard(name)
+                    self._drop_lora(name)
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +130,8 @@ class EngineCore:
         if needed > self.blocks.num_blocks:
             raise ValueError(f"max_tokens: at full length ({total} tokens) the request needs {needed} KV blocks "
                              f"of {self.block_size} tokens; the pool holds only {self.blocks.num_blocks}")
+        if lora is not None and (lora not in self.loras or lora in self._unloading):
+            raise ValueError(f"lora: no adapter named {lora!r} is loaded")
         req = Request(rid, list(prompt_ids), params, priority=priority, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt)
         if params.guided is not None:
@@ -93,6 +139,8 @@ class EngineCore:
         if self.blocks.enable_prefix_caching and req.is_cacheable:
             req.update_block_hashes(self.block_size)
         self.requests[rid] = req
+        if lora is not None:
+            self._lora_users[lora] = self._lora_users.get(lora, 0) + 1
         self.scheduler.add(req)
 
     def abort_request(self, rid: str) -> RequestOutput | None:
@@ -103,6 +151,7 @@ class EngineCore:
             return None
         self.scheduler.finish(req, "abort")
         self.sampler.release(req)
+        self._request_done(req)
         return RequestOutput(rid, [], finished=True, finish_reason="abort",
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens)
@@ -128,6 +177,10 @@ class EngineCore:
         self.steps += 1
         if not scheduled:
             return []
+        lora_slots = self.scheduler.lora_slots
+        if lora_slots is not None and lora_slots.pending_loads:  # adapters newly resident: weights in place
+            for slot, name in lora_slots.take_loads():
+                self.runner.lora.load(slot, self.loras[name])
         plan = StepPlan(scheduled)  # the batch's rows: which sample, which carry prompt logprobs
         logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
         self._commit_forward(plan)
@@ -205,6 +258,8 @@ class EngineCore:
                 del self.requests[req.rid]
                 self.scheduler.finish(req, reason, stop_reason)
                 self.sampler.release(req)
+                if req.lora is not None:
+                    self._request_done(req)
         return outputs
 
     def _collect_prompt_logprobs(self, logits: torch.Tensor, chunks: list[PromptSpan]) -> None:

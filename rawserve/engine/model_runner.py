@@ -13,6 +13,7 @@ import torch
 from rawserve.config import EngineConfig
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, load_weights, read_model_config
+from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.step_plan import ForwardBatch
 
@@ -91,6 +92,10 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model_dir, self.dtype, self.device, cfg)
         self.model.init_rope(self.max_model_len, self.device)
+        self.lora: LoraWeights | None = None
+        if config.lora_enabled:
+            self.lora = LoraWeights(cfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            self.model.enable_lora(self.lora)
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not left empty: masked-out slots are multiplied by 0 probability, and 0 * NaN is NaN.
@@ -182,7 +187,11 @@ class ModelRunner:
         needs is the StepPlan's to say.
         """
         input_ids, positions, meta, rows = self._metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        lora = None
+        if self.lora is not None:
+            token_slots = [s for inp in batch.seqs for s in [inp.lora_slot] * len(inp.token_ids)]
+            lora = self.lora.batch(token_slots)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]
         if rows.numel() == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [num_rows, vocab]

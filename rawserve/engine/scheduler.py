@@ -15,6 +15,53 @@ from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.request import Request, RequestStatus
 
 
+class LoraSlots:
+    """Which adapter each of the max_loras LoRA slots holds, how many running requests use each, and the
+    loads the model runner owes (slot, adapter) before the next forward.
+
+    A running request holds its adapter's slot, so no step ever names more than max_loras adapters. An
+    adapter that is not resident takes a free slot, else the least recently used slot nobody runs on.
+    """
+
+    def __init__(self, max_loras: int) -> None:
+        self.slots: list[str | None] = [None] * max_loras
+        self.users = [0] * max_loras
+        self.last_used = [0] * max_loras
+        self._clock = itertools.count(1)
+        self.pending_loads: list[tuple[int, str]] = []
+
+    def acquire(self, name: str) -> int:
+        """The slot for a request of `name` to run on, or -1 when every slot is in use by others."""
+        slots = self.slots
+        if name in slots:
+            slot = slots.index(name)
+        else:
+            free = [i for i, users in enumerate(self.users) if users == 0]
+            if not free:
+                return -1
+            slot = min(free, key=lambda i: (slots[i] is not None, self.last_used[i]))  # empty, else LRU
+            slots[slot] = name
+            self.pending_loads.append((slot, name))
+        self.users[slot] += 1
+        self.last_used[slot] = next(self._clock)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.users[slot] -= 1
+
+    def evict(self, name: str) -> None:
+        """Forget an unloaded adapter (nobody may be running on it)."""
+        if name in self.slots:
+            self.slots[self.slots.index(name)] = None
+
+    def take_loads(self) -> list[tuple[int, str]]:
+        loads, self.pending_loads = self.pending_loads, []
+        return loads
+
+    def running_adapters(self) -> list[str]:
+        return [name for name, users in zip(self.slots, self.users) if name is not None and users]
+
+
 class Scheduler:
     """One step's choice is a list of (request, num_new_tokens); StepPlan lays it out as a batch.
 
@@ -27,7 +74,7 @@ class Scheduler:
     """
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_loras: int = 0) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -45,6 +92,7 @@ class Scheduler:
         # each schedule(), so it stays bounded when nobody takes it (the offline engine, benches).
         self._queue_times: list[tuple[str, float]] = []
         self._has_finished_running = False  # running holds finished requests to drop at the next step
+        self.lora_slots = LoraSlots(max_loras) if max_loras else None
 
     @property
     def num_waiting(self) -> int:
@@ -71,6 +119,7 @@ class Scheduler:
             return
         if req.status is RequestStatus.RUNNING:
             self._has_finished_running = True  # dropped from `running` in one pass, not one remove each
+            self._release_lora(req)
         else:
             # Waiting: aborts are rare next to steps, so an O(n) removal beats tombstones in the heap.
             self.waiting = [entry for entry in self.waiting if entry[3] is not req]
@@ -88,6 +137,11 @@ class Scheduler:
             self._queue_times = []
         return times
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
+
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         self._has_finished_running = False
@@ -97,6 +151,7 @@ class Scheduler:
         resumes before anything that arrived after it, and its outputs so far are kept."""
         self.running.remove(req)
         self.kv.free(req.block_ids)
+        self._release_lora(req)
         req.num_computed_tokens = 0
         req.num_published_blocks = 0
         if not req.prompt_logprobs_done:
@@ -143,8 +198,16 @@ class Scheduler:
         if not preempted:
             waiting = self.waiting
             bs = kv.block_size
+            lora_slots = self.lora_slots
+            parked = []  # requests whose adapter has no free slot: they wait, the others go on
             while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = waiting[0][3]
+                if req.lora is not None:
+                    slot = lora_slots.acquire(req.lora) if lora_slots is not None else -1
+                    if slot < 0:
+                        parked.append(heapq.heappop(waiting))
+                        continue
+                    req.lora_slot = slot
                 num_tokens = req.num_tokens
                 use_cache = kv.enable_prefix_caching and req.prompt_logprobs_done and req.is_cacheable
                 # At least the last token is recomputed, so there are logits to sample from.
@@ -152,6 +215,7 @@ class Scheduler:
                 num_cached = len(hits) * bs
                 num_new = min(num_tokens - num_cached, budget)
                 if not kv.allocate(req.block_ids, num_cached + num_new, hits):
+                    self._release_lora(req)
                     break  # the head waits for blocks; nobody overtakes it
                 heapq.heappop(waiting)
                 if use_cache:
@@ -165,4 +229,6 @@ class Scheduler:
                 bisect.insort(self.running, req, key=Request.sort_key)
                 scheduled[req] = num_new
                 budget -= num_new
+            for entry in parked:
+                heapq.heappush(waiting, entry)
         return list(scheduled.items())

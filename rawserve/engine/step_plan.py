@@ -17,6 +17,7 @@ class StepInput:
     token_ids: list[int]  # tokens to compute this step (a prefill chunk, or the one decode token)
     num_computed_tokens: int  # tokens of this sequence already in the KV cache; positions start here
     block_table: list[int]  # KV block ids covering positions [0, num_computed_tokens + len(token_ids))
+    lora_slot: int = -1  # the LoRA slot its adapter is resident in, -1 for the base model
 
 
 @dataclass(slots=True)
@@ -83,7 +84,7 @@ class StepPlan:
             start = req.num_computed_tokens
             end = start + num_new
             token_ids = req.token_ids
-            seqs.append(StepInput(token_ids[start:end], start, req.block_ids))
+            seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot))
             if not req.prompt_logprobs_done:
                 first_row = len(logit_indices)
                 logit_indices.extend(range(offset, offset + num_new))

@@ -14,6 +14,7 @@ from torch import nn
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.attention.torch_backend import paged_attention, write_kv
 from rawserve.engine.loader import ModelConfig, Target
+from rawserve.engine.lora import LoraBatch, LoraWeights
 
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:
@@ -72,9 +73,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.index = index
+        self.lora: LoraWeights | None = None  # set by DecoderModel.enable_lora
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
@@ -100,11 +103,16 @@ class DecoderLayer(nn.Module):
             self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach())
             param.data = torch.empty(0, dtype=param.dtype)  # free the dense weight
 
-    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None,
+               lora: LoraBatch | None = None) -> torch.Tensor:
         packed = self.packed.get(name)
         if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return F.linear(x, getattr(self, name), bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        else:
+            y = F.linear(x, getattr(self, name), bias)
+        if lora is not None:  # the base matmul ran once for every row; adapter rows add their delta
+            y = self.lora.apply(self.index, name, x, y, lora)
+        return y
 
     def targets(self, prefix: str) -> dict[str, Target]:
         q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
@@ -129,13 +137,13 @@ class DecoderLayer(nn.Module):
         return t
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         residual = x if residual is None else residual + x  # [T, hidden]
         h = rms_norm(residual, self.input_layernorm, eps)
-        qkv = self.linear(h, "qkv_proj", self.qkv_bias)  # [T, q + 2 kv]
+        qkv = self.linear(h, "qkv_proj", self.qkv_bias, lora)  # [T, q + 2 kv]
         num_tokens = qkv.shape[0]
         q = qkv[:, :self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -147,12 +155,12 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
-        h = self.linear(attn.reshape(num_tokens, self.q_size), "o_proj")
+        h = self.linear(attn.reshape(num_tokens, self.q_size), "o_proj", lora=lora)
         residual = residual + h
         h = rms_norm(residual, self.post_attention_layernorm, eps)
-        gate_up = self.linear(h, "gate_up_proj")  # [T, 2 I]
+        gate_up = self.linear(h, "gate_up_proj", lora=lora)  # [T, 2 I]
         inter = cfg.intermediate_size
-        h = self.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], "down_proj")
+        h = self.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], "down_proj", lora=lora)
         return h, residual
 
 
@@ -161,7 +169,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head pre-packed by prepack()
@@ -184,15 +192,23 @@ class DecoderModel(nn.Module):
         self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] (flattened, unpadded batch) -> final hidden states [T, hidden]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] (flattened, unpadded batch) -> final hidden states [T, hidden].
+
+        lora: which tokens have an adapter and in which slot (None: none has, and LoRA costs nothing)."""
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.rope_sin[positions].unsqueeze(1)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, lora)
         return rms_norm(residual + x, self.norm, self.cfg.rms_norm_eps)
+
+    def enable_lora(self, weights: LoraWeights) -> None:
+        """Give every layer the adapter slots it adds deltas from (the base weights stay as they are)."""
+        for layer in self.layers:
+            layer.lora = weights
 
     def prepack(self) -> None:
         """CPU: pre-pack every matmul weight (see DecoderLayer.prepack), the LM head included.

@@ -1,0 +1,220 @@
+"""LoRA adapters: PEFT's on-disk format read and checked against the base model, and the per-slot weight
+stacks the decoder adds each row's low-rank delta from.
+
+Core side. An adapter's tensors are kept on the CPU once loaded (`LoraAdapter`); `LoraWeights` holds
+`max_loras` device-resident slots per fused linear, and a step names each token's slot (`LoraBatch`).
+
+One step's delta for a linear with k fused parts (qkv: 3, gate_up: 2, o and down: 1), over the rows that
+have an adapter (rows without one are not touched):
+
+    h = x @ A_all.T             A_all: [L * k * R, in]   every slot's A, one matmul (shrink)
+    h *= onehot(slot)           each row keeps its own slot's columns
+    y[:, part j] += h_j @ B_j.T B_j: [out_j, L * R]      one matmul per part (expand), the scale folded in
+
+L slots of rank R (max_lora_rank; a smaller adapter is zero-padded). Reading every slot's A and B costs
+L * R * (k * in + out) per linear per step, independent of the batch; gathering each row's own A and B
+(punica's BGMV, without its fused kernel) would cost rows * R * (in + out), more as soon as rows > L. So no
+loop over adapters or rows, no merged weight copies, and a batch with no adapter pays nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rawserve.engine.loader import CheckpointError, ModelConfig, read_safetensors_header, read_tensor_into
+
+# PEFT's module names -> (rawserve's fused linear, part index within it).
+MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+           "down_proj": ("down_proj", 0)}
+FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraError(CheckpointError):
+    """An adapter that cannot be loaded onto this base model; the message names the file, field or tensor."""
+
+
+def part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """PEFT module name -> (in_features, out_features) on this base model."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """One adapter, checked and on the CPU: (layer, PEFT module) -> (A [r, in], B [out, r] * scale)."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def targets(self) -> list[str]:
+        return sorted({module for _, module in self.weights})
+
+
+def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Read and check a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise LoraError(f"{root}: not a directory")
+    config_file = root / "adapter_config.json"
+    try:
+        conf = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LoraError(f"{config_file}: file is missing") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise LoraError(f"{config_file}: not valid JSON ({error})") from None
+    if not isinstance(conf, dict):
+        raise LoraError(f"{config_file}: expected a JSON object")
+    peft_type = conf.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoraError(f"{config_file}: peft_type {peft_type!r} is not supported (only LORA)")
+    if conf.get("modules_to_save"):
+        raise LoraError(f"{config_file}: modules_to_save {conf['modules_to_save']!r} is not supported "
+                        "(it replaces whole base-model weights, which a shared batch cannot do per row)")
+    for key in ("use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform"):
+        if conf.get(key):
+            raise LoraError(f"{config_file}: {key} is not supported")
+    if conf.get("bias", "none") != "none":
+        raise LoraError(f"{config_file}: bias {conf['bias']!r} is not supported (only 'none')")
+    rank, alpha = conf.get("r"), conf.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise LoraError(f"{config_file}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoraError(f"{config_file}: r={rank} exceeds --max-lora-rank {max_rank}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise LoraError(f"{config_file}: lora_alpha must be a number, got {alpha!r}")
+    scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
+
+    weight_file = root / "adapter_model.safetensors"
+    if not weight_file.exists():
+        raise LoraError(f"{weight_file}: file is missing (only safetensors adapters are read)")
+    shapes = part_shapes(cfg)
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    with open(weight_file, "rb", buffering=0) as f:
+        for entry in read_safetensors_header(weight_file):
+            match = _NAME.match(entry.name)
+            if match is None:
+                raise LoraError(f"{weight_file}: tensor {entry.name!r} is not a LoRA A/B weight of a decoder "
+                                "layer's attention or MLP projection")
+            layer, module, which = int(match[1]), match[2], match[3]
+            if module not in MODULES:
+                raise LoraError(f"{weight_file}: tensor {entry.name!r} targets {module!r}, which is not one of "
+                                f"{', '.join(MODULES)}")
+            if layer >= cfg.num_layers:
+                raise LoraError(f"{weight_file}: tensor {entry.name!r} is for layer {layer}; the base model has "
+                                f"{cfg.num_layers} layers")
+            in_f, out_f = shapes[module]
+            expected = (rank, in_f) if which == "A" else (out_f, rank)
+            if entry.shape != expected:
+                raise LoraError(f"{weight_file}: tensor {entry.name!r} has shape {entry.shape}, expected "
+                                f"{expected} (r={rank} on this base model)")
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            read_tensor_into(entry, f, tensor)
+            found[(layer, module, which)] = tensor.float()
+    if not found:
+        raise LoraError(f"{weight_file}: no LoRA tensors")
+    weights = {}
+    for (layer, module, which), tensor in found.items():
+        if which == "B":
+            continue
+        b = found.get((layer, module, "B"))
+        if b is None:
+            raise LoraError(f"{weight_file}: tensor base_model.model.model.layers.{layer}.*.{module}.lora_B.weight "
+                            f"is missing (lora_A is there)")
+        weights[(layer, module)] = (tensor, b * scale)
+    for (layer, module, which) in found:
+        if which == "B" and (layer, module) not in weights:
+            raise LoraError(f"{weight_file}: tensor base_model.model.model.layers.{layer}.*.{module}.lora_A.weight "
+                            f"is missing (lora_B is there)")
+    return LoraAdapter(name, str(root), rank, weights)
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """One step's adapter layout: the flattened token rows that have an adapter, and each one's slot."""
+
+    rows: torch.Tensor | None  # [S] int64 token indices, None when every token has an adapter
+    onehot: torch.Tensor  # [S, L, 1] in the model's dtype: 1 at the row's slot
+
+
+class LoraWeights:
+    """max_loras slots of rank max_rank for every decoder layer's four fused linears, on the model's device."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.cfg = cfg
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.dtype, self.device = dtype, device
+        shapes = part_shapes(cfg)
+        parts: dict[str, list[str]] = {name: [] for name in FUSED}
+        for module, (fused, _) in MODULES.items():
+            parts[fused].append(module)
+        self.parts = parts
+        L, R = max_loras, max_rank
+        # layers[i][fused] = (A_all [L * k * R, in], [B_j [out_j, L * R] for each part j])
+        self.layers: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
+        for _ in range(cfg.num_layers):
+            entry = {}
+            for fused, modules in parts.items():
+                in_f = shapes[modules[0]][0]
+                a = torch.zeros(L * len(modules) * R, in_f, dtype=dtype, device=device)
+                bs = [torch.zeros(shapes[m][1], L * R, dtype=dtype, device=device) for m in modules]
+                entry[fused] = (a, bs)
+            self.layers.append(entry)
+        self.slots: list[str | None] = [None] * max_loras  # the adapter each slot holds
+
+    def load(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Write an adapter's weights into a slot (zeros where it has no target), or clear it (None)."""
+        L, R = self.max_loras, self.max_rank
+        for i, entry in enumerate(self.layers):
+            for fused, (a, bs) in entry.items():
+                modules = self.parts[fused]
+                a_view = a.view(L, len(modules), R, a.shape[1])
+                a_view[slot].zero_()
+                for j, module in enumerate(modules):
+                    b_view = bs[j].view(bs[j].shape[0], L, R)
+                    b_view[:, slot].zero_()
+                    pair = adapter.weights.get((i, module)) if adapter is not None else None
+                    if pair is not None:
+                        lora_a, lora_b = pair
+                        r = lora_a.shape[0]
+                        a_view[slot, j, :r].copy_(lora_a)
+                        b_view[:, slot, :r].copy_(lora_b)
+        self.slots[slot] = adapter.name if adapter is not None else None
+
+    def batch(self, token_slots: list[int]) -> LoraBatch | None:
+        """Per flattened token, its slot (-1: none) -> the step's LoraBatch, or None when no token has one."""
+        rows = [i for i, s in enumerate(token_slots) if s >= 0]
+        if not rows:
+            return None
+        slots = torch.tensor([token_slots[i] for i in rows], dtype=torch.int64)
+        onehot = F.one_hot(slots, self.max_loras).to(self.dtype).unsqueeze(-1)
+        index = None if len(rows) == len(token_slots) else torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return LoraBatch(index, onehot.to(self.device))
+
+    def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+        """y (the base linear's output for x) plus each adapter row's delta."""
+        a, bs = self.layers[layer][fused]
+        xs = x if lora.rows is None else x.index_select(0, lora.rows)
+        num = xs.shape[0]
+        k, L, R = len(bs), self.max_loras, self.max_rank
+        h = (F.linear(xs, a).view(num, L, k, R) * lora.onehot.unsqueeze(-1))  # [S, L, k, R]
+        if k == 1:
+            delta = F.linear(h.view(num, L * R), bs[0])
+        else:
+            delta = torch.cat([F.linear(h[:, :, j].reshape(num, L * R), b) for j, b in enumerate(bs)], dim=1)
+        if lora.rows is None:
+            return y + delta
+        return y.index_add(0, lora.rows, delta)

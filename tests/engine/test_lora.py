@@ -1,0 +1,169 @@
+"""LoRA adapters in the core: PEFT's format read and checked, greedy ids equal to transformers + peft, one batch
+mixing adapters and the base model, slots bounded per step with LRU swaps, unload after the last request."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from rawserve.engine.lora import LoraError, read_adapter
+from rawserve.engine.loader import read_model_config
+from tests.checkpoints import load_hf_model, make_hf_checkpoint
+from tests.engine.test_core import assert_no_leak, greedy, make_core, prompt, run
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {  # name -> (rank, alpha, targets, rslora)
+    "a": (4, 8, ["q_proj", "v_proj", "gate_proj"], False),
+    "b": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+}
+
+
+def make_adapter(base_dir, out_dir, rank, alpha, targets, rslora=False, seed=1) -> pathlib.Path:
+    """A random PEFT adapter (B not zero, so it changes the output) saved as save_pretrained writes it."""
+    model = load_hf_model(base_dir)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                             lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(seed)
+    wrapped = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.3 * torch.randn_like(param))
+    wrapped.save_pretrained(out_dir)
+    return pathlib.Path(out_dir)
+
+
+def hf_greedy(base_dir, adapter_dir, ids, n):
+    model = load_hf_model(base_dir)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def lora_setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = make_hf_checkpoint(root / "base", request.param)
+    adapters = {name: make_adapter(base, root / name, *spec, seed=i + 1)
+                for i, (name, spec) in enumerate(ADAPTERS.items())}
+    return base, adapters
+
+
+def lora_core(base, adapters, **options):
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    return make_core(base, lora_modules=modules, max_lora_rank=8, **{"max_loras": 2, **options})
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_greedy_matches_peft_and_mixed_batch(lora_setup, prepack, monkeypatch):
+    base, adapters = lora_setup
+    if not prepack:
+        monkeypatch.setattr("rawserve.engine.model_runner.cpu_prepack_supported", lambda dtype: False)
+    core = lora_core(base, adapters)
+    ids = prompt(9, 3)
+    n = 10
+    expected = {name: hf_greedy(base, adapters.get(name), ids, n) for name in (None, "a", "b")}
+    assert len({tuple(v) for v in expected.values()}) == 3  # each adapter changes the output
+    for name, want in expected.items():  # alone
+        tokens, _, _ = run(core, [("r", ids, greedy(n, ignore_eos=True), 0, {"lora": name})])
+        assert tokens["r"] == want, name
+    # One batch: a, b and the base model, twice each, joining at different steps (prefill beside decode).
+    reqs = [(f"{name}{i}", ids, greedy(n, ignore_eos=True), 0, {"lora": name})
+            for i in range(2) for name in (None, "a", "b")]
+    joins = {f"{name}1": 3 for name in (None, "a", "b")}
+    tokens, _, _ = run(core, reqs, joins)
+    for rid, got in tokens.items():
+        name = None if rid.startswith("None") else rid[0]
+        assert got == expected[name], rid
+    assert_no_leak(core)
+
+
+def test_slots_bound_each_step_and_swap_lru(lora_setup):
+    base, adapters = lora_setup
+    core = lora_core(base, adapters, max_loras=1)
+    seen = []
+    original = core.runner.execute
+
+    def execute(batch):
+        seen.append({seq.lora_slot for seq in batch.seqs if seq.lora_slot >= 0})
+        return original(batch)
+
+    core.runner.execute = execute
+    ids = prompt(6, 4)
+    alone = {}
+    for name in ("a", "b"):
+        tokens, _, _ = run(core, [("r", ids, greedy(6, ignore_eos=True), 0, {"lora": name})])
+        alone[name] = tokens["r"]
+    reqs = [(f"{name}{i}", ids, greedy(6, ignore_eos=True), 0, {"lora": name})
+            for i in range(3) for name in ("a", "b", None)]
+    tokens, _, order = run(core, reqs)
+    assert all(len(s) <= 1 for s in seen)
+    for rid, got in tokens.items():
+        if rid[0] in alone:
+            assert got == alone[rid[0]], rid  # b waited for a's slot, then swapped in
+    assert core.scheduler.lora_slots.slots == ["b"] or core.scheduler.lora_slots.slots == ["a"]
+    assert_no_leak(core)
+
+
+def test_prefix_cache_keyed_by_adapter(lora_setup):
+    base, adapters = lora_setup
+    core = lora_core(base, adapters)
+    ids = prompt(20, 5)
+    first, _, _ = run(core, [("x", ids, greedy(4, ignore_eos=True), 0, {"lora": "a"})])
+    _, final, _ = run(core, [("y", ids, greedy(4, ignore_eos=True), 0, {"lora": "b"})])
+    assert final["y"].num_cached_tokens == 0  # b's KV differs from a's
+    again, final, _ = run(core, [("z", ids, greedy(4, ignore_eos=True), 0, {"lora": "a"})])
+    assert final["z"].num_cached_tokens > 0 and again["z"] == first["x"]
+
+
+def test_unload_waits_for_last_request_and_unknown_refused(lora_setup):
+    base, adapters = lora_setup
+    core = lora_core(base, adapters)
+    core.add_request("r", prompt(5, 1), greedy(5, ignore_eos=True), lora="a")
+    core.step()
+    core.unload_lora("a")
+    assert core.lora_names() == ["b"] and "a" in core.loras
+    with pytest.raises(ValueError, match="no adapter named 'a'"):
+        core.add_request("s", prompt(5, 1), greedy(5), lora="a")
+    with pytest.raises(ValueError, match="being unloaded"):
+        core.load_lora("a", str(adapters["a"]))
+    while core.has_unfinished:
+        core.step()
+    assert "a" not in core.loras and core.scheduler.lora_slots.slots.count("a") == 0
+    core.load_lora("a", str(adapters["a"]))
+    with pytest.raises(KeyError):
+        core.unload_lora("nope")
+
+
+def _edit_config(src: pathlib.Path, dst: pathlib.Path, **changes) -> pathlib.Path:
+    dst.mkdir()
+    conf = json.loads((src / "adapter_config.json").read_text())
+    conf.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(conf))
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    return dst
+
+
+def test_bad_adapters_name_what_is_wrong(lora_setup, tmp_path):
+    base, adapters = lora_setup
+    cfg = read_model_config(base)
+    src = adapters["b"]
+    adapter = read_adapter("b", src, cfg, 8)
+    assert adapter.rank == 8 and len(adapter.targets) == 7
+    with pytest.raises(LoraError, match="exceeds --max-lora-rank 4"):
+        read_adapter("b", src, cfg, 4)
+    with pytest.raises(LoraError, match="modules_to_save"):
+        read_adapter("x", _edit_config(src, tmp_path / "save", modules_to_save=["lm_head"]), cfg, 8)
+    with pytest.raises(LoraError, match=r"lora_A\.weight' has shape \(8, \d+\), expected \(4, \d+\)"):
+        read_adapter("x", _edit_config(src, tmp_path / "rank", r=4), cfg, 8)
+    with pytest.raises(LoraError, match="adapter_config.json: file is missing"):
+        read_adapter("x", tmp_path, cfg, 8)
+    other = make_hf_checkpoint(tmp_path / "wide", "qwen3", hidden_size=32, head_dim=16)
+    with pytest.raises(LoraError, match="has shape"):
+        read_adapter("b", src, read_model_config(other), 8)
