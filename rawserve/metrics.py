@@ -149,6 +149,16 @@ class Metrics:
         with self._lock:
             return int(self._histograms[name][1][1])
 
+    def render_lora_info(self, max_lora: int, running: Iterable[str], waiting: Iterable[str],
+                         timestamp: float) -> str:
+        """vLLM's lora_requests_info gauge: the adapters with running and with waiting requests as labels
+        (comma-separated), the value the time of this reading, as routers that balance by adapter read it."""
+        full = self.prefix + "lora_requests_info"
+        labels = (f'max_lora="{max_lora}",running_lora_adapters="{_label_value(",".join(running))}",'
+                  f'waiting_lora_adapters="{_label_value(",".join(waiting))}"')
+        return (f"# HELP {full} Running stats on lora requests.\n# TYPE {full} gauge\n"
+                f"{full}{{{labels}}} {_number(timestamp)}\n")
+
     def render(self, gauges: Mapping[str, float] | None = None) -> str:
         """The /metrics page. `gauges` overrides stored gauge values for this rendering."""
         for name in gauges or {}:

@@ -1,4 +1,5 @@
-"""Operational endpoints: /v1/models, /health, /metrics, /version, /tokenize, /detokenize.
+"""Operational endpoints: /v1/models, /health, /metrics, /version, /tokenize, /detokenize, and vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 /health and /metrics stay open without an API key (http/auth.py protects /v1/* only).
 """
@@ -6,9 +7,10 @@ from __future__ import annotations
 
 from rawserve import __version__
 from rawserve.api.chat import render_prompt
-from rawserve.api.protocol import ChatRequest, DetokenizeRequest, TokenizeRequest
-from rawserve.api.serving import ServingContext
-from rawserve.errors import APIError
+from rawserve.api.protocol import (ChatRequest, DetokenizeRequest, LoadLoraAdapterRequest, TokenizeRequest,
+                                   UnloadLoraAdapterRequest)
+from rawserve.api.serving import ServingContext, model_not_found
+from rawserve.errors import APIError, EngineDead
 from rawserve.http import JSONResponse, Request, TextResponse, parse
 from rawserve.metrics import CONTENT_TYPE
 
@@ -18,13 +20,54 @@ def model_card(ctx: ServingContext) -> dict:
             "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}
 
 
+def lora_card(ctx: ServingContext, name: str) -> dict:
+    """An adapter as vLLM lists it: its own id, its directory as root, the base model as parent."""
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "rawserve",
+            "root": ctx.loras[name], "parent": ctx.model_name, "max_model_len": ctx.max_model_len}
+
+
 async def list_models(ctx: ServingContext, request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [model_card(ctx)]})
+    return JSONResponse({"object": "list", "data": [model_card(ctx), *(lora_card(ctx, n) for n in ctx.loras)]})
 
 
 async def retrieve_model(ctx: ServingContext, request: Request) -> JSONResponse:
-    ctx.check_model(request.path_params["model"])
-    return JSONResponse(model_card(ctx))
+    model = request.path_params["model"]
+    ctx.check_model(model)
+    return JSONResponse(lora_card(ctx, model) if model in ctx.loras else model_card(ctx))
+
+
+async def load_lora_adapter(ctx: ServingContext, request: Request) -> TextResponse:
+    """Read, check and register an adapter in the core; a bad directory is a 400 naming what is wrong."""
+    req = parse(LoadLoraAdapterRequest, request.json())
+    name = req.lora_name
+    if not name or not req.lora_path:
+        raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
+    if name == ctx.model_name or name in ctx.loras:
+        raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+    try:
+        await ctx.llm.lora_op("load", name, req.lora_path)
+    except (ValueError, KeyError) as error:
+        raise APIError(400, str(error).strip("'\""), param="lora_path") from None
+    except EngineDead as error:
+        raise APIError(503, f"The engine is dead: {error}", code="engine_dead") from None
+    ctx.loras[name] = req.lora_path
+    return TextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResponse:
+    """New requests for it are refused at once; the core drops it when its last request ends."""
+    req = parse(UnloadLoraAdapterRequest, request.json())
+    name = req.lora_name
+    if name not in ctx.loras:
+        raise model_not_found(name, "lora_name")
+    del ctx.loras[name]
+    try:
+        await ctx.llm.lora_op("unload", name)
+    except KeyError:
+        raise model_not_found(name, "lora_name") from None
+    except EngineDead as error:
+        raise APIError(503, f"The engine is dead: {error}", code="engine_dead") from None
+    return TextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 def health(ctx: ServingContext, is_draining) -> object:

@@ -44,6 +44,8 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/v1/responses/{response_id}/input_items", functools.partial(list_input_items, store)),
         ("GET", "/v1/models", functools.partial(admin.list_models, ctx)),
         ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
+        ("POST", "/v1/load_lora_adapter", functools.partial(admin.load_lora_adapter, ctx)),
+        ("POST", "/v1/unload_lora_adapter", functools.partial(admin.unload_lora_adapter, ctx)),
         ("GET", "/health", admin.health(ctx, is_draining)),
         ("GET", "/metrics", functools.partial(admin.metrics, ctx)),
         ("GET", "/version", functools.partial(admin.version, ctx)),
@@ -100,7 +102,8 @@ class OpenAIServer:
         info = self.llm.info or {}
         ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
-                             self.server_config.reasoning_parser, self.server_config.tool_call_parser)
+                             self.server_config.reasoning_parser, self.server_config.tool_call_parser,
+                             loras=dict(info.get("loras") or {}))
         self.context = ctx
         self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
                                                                 self.server_config.log_requests),

@@ -122,7 +122,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
         req.max_tokens = req.max_completion_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = await start_chat(ctx, req, rid)
-    base = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
+    base = {"id": rid, "created": int(time.time()), "model": ctx.response_model(req)}
     if req.stream:
         return SSEResponse(_chunks(ctx, req, run.streams, run.parsers, base, run.tally, run.decide))
     return JSONResponse(await _response(ctx, req, run.streams, run.parsers, base, run.tally, run.decide,

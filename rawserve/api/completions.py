@@ -62,7 +62,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
             await stream.aclose()
         raise
     n = params[0].n
-    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name}
+    base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.response_model(req)}
     tally = UsageTally([len(p) for p in prompts], n)
     echo = [""] * len(streams)
     if req.echo:

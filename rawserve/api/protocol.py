@@ -49,6 +49,7 @@ class SamplingExtensions:
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    lora: str | None = None  # a LoRA adapter's name (or select it with model: "<name>", vLLM's convention)
     # structured output, vLLM's names
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -140,6 +141,20 @@ class TokenizeRequest:
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+@dataclass(slots=True)
+class LoadLoraAdapterRequest:
+    """vLLM's POST /v1/load_lora_adapter body."""
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(slots=True)
+class UnloadLoraAdapterRequest:
+    """vLLM's POST /v1/unload_lora_adapter body (lora_int_id is accepted and ignored: names identify adapters)."""
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 @dataclass(slots=True)

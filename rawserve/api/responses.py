@@ -178,7 +178,7 @@ def _tool_choice(choice: str | dict) -> str | dict:
 
 def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatRequest:
     """The one internal request chat also runs: same template, tools, parsers and guided decoding."""
-    chat = ChatRequest(messages=messages, max_tokens=req.max_output_tokens, tools=_tools(req.tools),
+    chat = ChatRequest(messages=messages, model=req.model, max_tokens=req.max_output_tokens, tools=_tools(req.tools),
                        tool_choice=_tool_choice(req.tool_choice),
                        **{name: getattr(req, name) for name in _SHARED_FIELDS})
     fmt = req.text.format if req.text is not None else None

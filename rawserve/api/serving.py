@@ -46,15 +46,30 @@ class ServingContext:
     tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
     grammars: GrammarCache = None  # type: ignore[assignment]  # built from the tokenizer when not given
+    loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters requests may select: name -> directory
 
     def __post_init__(self) -> None:
         if self.grammars is None:
             self.grammars = GrammarCache(self.tokenizer)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
-                           type="NotFoundError")
+        """The base model's name or a loaded adapter's; anything else is OpenAI's 404 model_not_found."""
+        if model is not None and model != self.model_name and model not in self.loras:
+            raise model_not_found(model)
+
+    def lora_for(self, req: SamplingFields) -> str | None:
+        """The adapter a request selects: its lora field, else model naming an adapter (vLLM's convention)."""
+        lora = getattr(req, "lora", None)
+        if lora is not None:
+            if lora not in self.loras:
+                raise model_not_found(lora, "lora")
+            return lora
+        model = req.model
+        return model if model is not None and model != self.model_name and model in self.loras else None
+
+    def response_model(self, req: SamplingFields) -> str:
+        """The model name a response reports: the adapter's when the request named one, as vLLM does."""
+        return req.model if req.model is not None and req.model in self.loras else self.model_name
 
     async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None) -> list[int]:
         """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its
@@ -161,11 +176,12 @@ class ServingContext:
         except Overloaded as error:
             raise overloaded(error) from None
         streams: list[RequestStream] = []
+        lora = self.lora_for(req)
         try:
             for i, ids in enumerate(prompts):
                 for j, child in enumerate(rules.samples(params)):
                     streams.append(self.llm.generate(ids, child, f"{rid}-{i}-{j}", req.priority,
-                                                     cache_salt=req.cache_salt))
+                                                     cache_salt=req.cache_salt, lora=lora))
         except (Overloaded, EngineDead) as error:
             for stream in streams:
                 self.llm.abort(stream.request_id)
@@ -175,6 +191,11 @@ class ServingContext:
                 self.llm.abort(stream.request_id)
             raise APIError(400, str(error)) from None
         return streams
+
+
+def model_not_found(name: str, param: str = "model") -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param=param, code="model_not_found",
+                    type="NotFoundError")
 
 
 def overloaded(error: Exception) -> APIError:

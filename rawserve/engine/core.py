@@ -93,6 +93,10 @@ class EngineCore:
     def lora_names(self) -> list[str]:
         return [name for name in self.loras if name not in self._unloading]
 
+    def lora_paths(self) -> dict[str, str]:
+        """The adapters a request may ask for: {name: directory}."""
+        return {name: self.loras[name].path for name in self.lora_names()}
+
     def _request_done(self, req: Request) -> None:
         name = req.lora
         if name is not None:
@@ -162,7 +166,14 @@ class EngineCore:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=blocks.usage, num_free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks,
             prefix_cache_queries=blocks.prefix_cache_queries, prefix_cache_hits=blocks.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions, steps=self.steps)
+            num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
+            extra=self._lora_stats() if self.scheduler.lora_slots is not None else {})
+
+    def _lora_stats(self) -> dict:
+        """lora_requests_info's labels, as vLLM exposes them: adapters with running and with waiting requests."""
+        running = set(self.scheduler.lora_slots.running_adapters())
+        waiting = {entry[3].lora for entry in self.scheduler.waiting if entry[3].lora is not None}
+        return {"lora": {"max_lora": self.config.max_loras, "running": sorted(running), "waiting": sorted(waiting)}}
 
     def take_queue_times(self) -> list[tuple[str, float]]:
         """(rid, seconds from queued to first scheduled) for the requests the last step admitted for the

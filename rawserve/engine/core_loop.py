@@ -56,6 +56,7 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
             return
         _send(outputs, [(MsgKind.READY, {"max_model_len": core.max_model_len, "num_blocks": core.num_blocks,
                                           "vocab_size": core.vocab_size, "pid": os.getpid(),
+                                          "loras": core.lora_paths() if hasattr(core, "lora_paths") else {},
                                           **describe_core(core)}),  # device, dtype, params: the startup summary's
                         (MsgKind.STATS, core.stats())])
         _serve(core, inputs, outputs, stats_interval_s)
@@ -107,6 +108,18 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
                     log.exception("engine core failed in add_request")
                     _send(outputs, [*replies, (MsgKind.FATAL, f"engine add_request failed: {error!r}")])
                     return
+            elif kind == MsgKind.LORA:
+                token, op, name, path = payload
+                try:
+                    if op == "load":
+                        core.load_lora(name, path)
+                    else:
+                        core.unload_lora(name)
+                    replies.append((MsgKind.LORA_DONE, (token, None, None)))
+                except KeyError:
+                    replies.append((MsgKind.LORA_DONE, (token, f"no adapter named {name!r} is loaded", "unknown")))
+                except ValueError as error:  # a bad adapter directory (LoraError) or a name in use
+                    replies.append((MsgKind.LORA_DONE, (token, str(error), "bad")))
             elif kind == MsgKind.ABORT:
                 try:
                     core.abort_request(payload)

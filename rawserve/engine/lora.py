@@ -9,7 +9,7 @@ have an adapter (rows without one are not touched):
 
     h = x @ A_all.T             A_all: [L * k * R, in]   every slot's A, one matmul (shrink)
     h *= onehot(slot)           each row keeps its own slot's columns
-    y[:, part j] += h_j @ B_j.T B_j: [out_j, L * R]      one matmul per part (expand), the scale folded in
+    y[:, part j] += h_j @ Bt_j  Bt_j: [L * R, out_j]     one matmul per part (expand), the scale folded in
 
 L slots of rank R (max_lora_rank; a smaller adapter is zero-padded). Reading every slot's A and B costs
 L * R * (k * in + out) per linear per step, independent of the batch; gathering each row's own A and B
@@ -163,14 +163,15 @@ class LoraWeights:
             parts[fused].append(module)
         self.parts = parts
         L, R = max_loras, max_rank
-        # layers[i][fused] = (A_all [L * k * R, in], [B_j [out_j, L * R] for each part j])
+        # layers[i][fused] = (A_all [L * k * R, in], [Bt_j [L * R, out_j] for each part j]). B is kept
+        # transposed: x @ B.T with B [out, L * R] hit a slow oneDNN path on CPU (~20x slower at K = 128).
         self.layers: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
         for _ in range(cfg.num_layers):
             entry = {}
             for fused, modules in parts.items():
                 in_f = shapes[modules[0]][0]
                 a = torch.zeros(L * len(modules) * R, in_f, dtype=dtype, device=device)
-                bs = [torch.zeros(shapes[m][1], L * R, dtype=dtype, device=device) for m in modules]
+                bs = [torch.zeros(L * R, shapes[m][1], dtype=dtype, device=device) for m in modules]
                 entry[fused] = (a, bs)
             self.layers.append(entry)
         self.slots: list[str | None] = [None] * max_loras  # the adapter each slot holds
@@ -184,14 +185,14 @@ class LoraWeights:
                 a_view = a.view(L, len(modules), R, a.shape[1])
                 a_view[slot].zero_()
                 for j, module in enumerate(modules):
-                    b_view = bs[j].view(bs[j].shape[0], L, R)
-                    b_view[:, slot].zero_()
+                    b_view = bs[j].view(L, R, bs[j].shape[1])
+                    b_view[slot].zero_()
                     pair = adapter.weights.get((i, module)) if adapter is not None else None
                     if pair is not None:
                         lora_a, lora_b = pair
                         r = lora_a.shape[0]
                         a_view[slot, j, :r].copy_(lora_a)
-                        b_view[:, slot, :r].copy_(lora_b)
+                        b_view[slot, :r].copy_(lora_b.t())
         self.slots[slot] = adapter.name if adapter is not None else None
 
     def batch(self, token_slots: list[int]) -> LoraBatch | None:
@@ -212,9 +213,9 @@ class LoraWeights:
         k, L, R = len(bs), self.max_loras, self.max_rank
         h = (F.linear(xs, a).view(num, L, k, R) * lora.onehot.unsqueeze(-1))  # [S, L, k, R]
         if k == 1:
-            delta = F.linear(h.view(num, L * R), bs[0])
+            delta = torch.mm(h.view(num, L * R), bs[0])
         else:
-            delta = torch.cat([F.linear(h[:, :, j].reshape(num, L * R), b) for j, b in enumerate(bs)], dim=1)
-        if lora.rows is None:
-            return y + delta
-        return y.index_add(0, lora.rows, delta)
+            delta = torch.cat([torch.mm(h[:, :, j].reshape(num, L * R), b) for j, b in enumerate(bs)], dim=1)
+        if lora.rows is None:  # y is the base linear's fresh output: added to in place
+            return y.add_(delta)
+        return y.index_add_(0, lora.rows, delta)

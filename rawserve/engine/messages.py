@@ -15,6 +15,7 @@ class MsgKind(enum.StrEnum):
     ADD = "add"  # AddRequest
     ABORT = "abort"  # rid
     SHUTDOWN = "shutdown"  # None
+    LORA = "lora"  # (token, "load" | "unload", name, path or None): change the adapters at run time
     # core -> frontend
     READY = "ready"  # {max_model_len, num_blocks, vocab_size, pid}, once the core is built
     OUTPUTS = "outputs"  # [RequestOutput], once per step that produced any
@@ -22,6 +23,7 @@ class MsgKind(enum.StrEnum):
     FATAL = "fatal"  # message: the core is gone; every request fails
     STATS = "stats"  # EngineStats, periodically and whenever the core goes idle
     QUEUED = "queued"  # [(rid, seconds waited)] when requests are first scheduled
+    LORA_DONE = "lora_done"  # (token, error or None, code: "bad" | "unknown" | None), answering LORA
 
 
 # One message: (kind, payload). Transports (engine/ipc.py) carry a list of them per send.

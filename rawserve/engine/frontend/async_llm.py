@@ -6,6 +6,7 @@ and hands each core output to the request's OutputProcessor, acting on what it d
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -65,6 +66,8 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self._is_closing = False
         self._is_stopped = False
+        self._lora_tokens = itertools.count()
+        self._lora_waiters: dict[int, asyncio.Future] = {}
 
     # ----- public state
 
@@ -91,9 +94,31 @@ class AsyncLLM:
 
     def render_metrics(self) -> str:
         stats = self._core_stats
-        return self.metrics.render({
+        page = self.metrics.render({
             "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
             "kv_cache_usage_perc": stats.kv_cache_usage, "requests_in_flight": len(self._states)})
+        lora = stats.extra.get("lora")
+        if lora is not None:
+            page += self.metrics.render_lora_info(lora["max_lora"], lora["running"], lora["waiting"], time.time())
+        return page
+
+    async def lora_op(self, op: str, name: str, path: str | None = None) -> None:
+        """Load ("load", name, path) or unload ("unload", name) an adapter in the core and wait for its answer.
+
+        Raises ValueError (a bad adapter, or a name in use) or KeyError (no such adapter), with the core's message.
+        """
+        if self.is_dead:
+            raise EngineDead(self._dead_reason)
+        token = next(self._lora_tokens)
+        future = self._loop.create_future()
+        self._lora_waiters[token] = future
+        try:
+            self._send([(MsgKind.LORA, (token, op, name, path))])
+            error, code = await future
+        finally:
+            self._lora_waiters.pop(token, None)
+        if error is not None:
+            raise (KeyError if code == "unknown" else ValueError)(error)
 
     # ----- lifecycle
 
@@ -255,6 +280,11 @@ class AsyncLLM:
                 self._info = payload
                 if not self._ready.done():
                     self._ready.set_result(payload)
+            elif kind == MsgKind.LORA_DONE:
+                token, error, code = payload
+                future = self._lora_waiters.get(token)
+                if future is not None and not future.done():
+                    future.set_result((error, code))
             elif kind == MsgKind.FATAL:
                 self._die(payload)
             else:
@@ -276,6 +306,9 @@ class AsyncLLM:
             self._ready.exception()  # retrieved: start() reports it from _dead_reason
         for state in list(self._states.values()):
             self._fail(state, EngineDead(self._dead_reason))
+        for future in self._lora_waiters.values():
+            if not future.done():
+                future.set_exception(EngineDead(self._dead_reason))
 
     def _on_outputs(self, outs: list[RequestOutput]) -> None:
         """One step's outputs: time them where the client would, then turn ids into text per request."""
