@@ -10,6 +10,7 @@ That is read here, in `build_parser`, and nowhere else: configs built in code se
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import os
 import types
@@ -71,9 +72,10 @@ class EngineConfig:
     enable_lora: bool = field(default=False, metadata={
         "help": "Serve LoRA adapters (implied by --lora-modules): reserves --max-loras slots of rank "
                 "--max-lora-rank on every decoder linear."})
-    lora_modules: list[str] | None = field(default=None, metadata={
-        "help": "A LoRA adapter to serve, as name=path (a PEFT directory); repeatable. Requests select it "
-                "with model: name or a lora field."})
+    lora_modules: list[str] = field(default_factory=list, metadata={
+        "help": "LoRA adapters to serve, as name=path (a PEFT directory) or vLLM's JSON "
+                '{"name": ..., "path": ...}; several after one flag, or the flag repeated. Requests select one '
+                "with model: name or a lora field.", "nargs": "+"})
     max_loras: int = field(default=1, metadata={
         "help": "Adapters resident at once, and so most distinct adapters in one step (vLLM's flag)."})
     max_lora_rank: int = field(default=16, metadata={"help": "Largest adapter rank accepted."})
@@ -86,9 +88,22 @@ class EngineConfig:
         """--lora-modules as {name: path}."""
         paths = {}
         for item in self.lora_modules or ():
-            for spec in item.split():
-                name, sep, path = spec.partition("=")
-                _check(bool(sep and name and path), "lora_modules", f"expected name=path, got {spec!r}")
+            if item.lstrip().startswith("{"):
+                try:
+                    spec = json.loads(item)
+                    name, path = spec["name"], spec["path"]
+                except (ValueError, KeyError, TypeError):
+                    name = path = None
+                _check(isinstance(name, str) and isinstance(path, str) and bool(name and path), "lora_modules",
+                       f'expected {{"name": ..., "path": ...}}, got {item!r}')
+                specs = [(name, path)]
+            else:
+                specs = []
+                for spec in item.split():
+                    name, sep, path = spec.partition("=")
+                    _check(bool(sep and name and path), "lora_modules", f"expected name=path, got {spec!r}")
+                    specs.append((name, path))
+            for name, path in specs:
                 _check(name not in paths, "lora_modules", f"adapter name {name!r} given twice")
                 paths[name] = path
         return paths
@@ -206,7 +221,10 @@ class _Append(argparse._AppendAction):
     def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
         items = getattr(namespace, self.dest, None)
         items = [] if items is None or items is self.default else list(items)
-        items.append(values)
+        if isinstance(values, list):  # nargs="+": `--flag a b` is `--flag a --flag b`
+            items.extend(values)
+        else:
+            items.append(values)
         setattr(namespace, self.dest, items)
 
 
@@ -225,6 +243,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["action"] = _Append
             kwargs["type"] = _scalar_type(tp)
             kwargs["default"] = None
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
         else:
             kwargs["type"] = _scalar_type(tp)
             kwargs["default"] = f.default

@@ -69,10 +69,15 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
     kv = f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})" if num_blocks else "?"
     host = server_config.host
     url = f"{server_config.scheme}://{'[' + host + ']' if ':' in host else host}:{port}/v1"
+    lora = ""
+    if engine_config.lora_enabled:
+        names = ", ".join(info.get("loras") or {}) or "none yet"
+        lora = (f", LoRA adapters: {names} ({engine_config.max_loras} resident at once, rank <= "
+                f"{engine_config.max_lora_rank})")
     return (f"serving {model_name!r} from {model_dir}: {architecture}, {format_count(num_params)} parameters, "
             f"dtype {info.get('dtype', engine_config.dtype)}, device {info.get('device', engine_config.device)}, "
-            f"max_model_len {info.get('max_model_len', '?')}, KV cache {kv}, engine in a {server_config.engine_mode}, "
-            f"listening on {url}, API key {'on' if server_config.api_key else 'off'}")
+            f"max_model_len {info.get('max_model_len', '?')}, KV cache {kv}{lora}, engine in a "
+            f"{server_config.engine_mode}, listening on {url}, API key {'on' if server_config.api_key else 'off'}")
 
 
 class StatsLogger:

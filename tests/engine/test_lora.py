@@ -46,7 +46,7 @@ def hf_greedy(base_dir, adapter_dir, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
 def lora_setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     base = make_hf_checkpoint(root / "base", request.param)
@@ -167,3 +167,36 @@ def test_bad_adapters_name_what_is_wrong(lora_setup, tmp_path):
     other = make_hf_checkpoint(tmp_path / "wide", "qwen3", hidden_size=32, head_dim=16)
     with pytest.raises(LoraError, match="has shape"):
         read_adapter("b", src, read_model_config(other), 8)
+
+
+def test_lora_modules_flag():
+    from rawserve.config import EngineConfig, build_parser, configs_from_args
+
+    parser = build_parser()
+    for argv in (["--lora-modules", "a=/p/a", "b=/p/b"], ["--lora-modules", "a=/p/a", "--lora-modules", "b=/p/b"]):
+        engine, _ = configs_from_args(parser.parse_args(["--model", "m", *argv]))
+        assert engine.lora_paths() == {"a": "/p/a", "b": "/p/b"} and engine.lora_enabled
+    engine, _ = configs_from_args(parser.parse_args(["--model", "m", "--lora-modules", '{"name": "j", "path": "/p"}']))
+    assert engine.lora_paths() == {"j": "/p"}
+    assert not configs_from_args(parser.parse_args(["--model", "m"]))[0].lora_enabled
+    with pytest.raises(ValueError, match="--lora-modules: adapter name 'a' given twice"):
+        EngineConfig(lora_modules=["a=/x", "a=/y"])
+    with pytest.raises(ValueError, match="expected name=path"):
+        EngineConfig(lora_modules=["a"])
+
+
+def test_offline_llm_and_process_messages(lora_setup):
+    from rawserve.engine.frontend.llm import LLM
+    from rawserve.engine.ipc import decode, encode
+    from rawserve.engine.messages import MsgKind
+
+    base, adapters = lora_setup
+    ids = prompt(7, 2)
+    llm = LLM(base, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=128, max_loras=2,
+              max_lora_rank=8, lora_modules=[f"a={adapters['a']}"])
+    out = llm.generate([ids], greedy(6, ignore_eos=True), lora="a")[0].outputs[0].token_ids
+    assert out == hf_greedy(base, adapters["a"], ids, 6)
+    stats = llm.core.stats()
+    assert stats.extra["lora"] == {"max_lora": 2, "running": [], "waiting": []}
+    msgs = [(MsgKind.LORA, (3, "load", "b", "/x")), (MsgKind.LORA_DONE, (3, "bad", "bad")), (MsgKind.STATS, stats)]
+    assert decode(encode(msgs)) == msgs  # what crosses the process boundary pickles as it is

@@ -74,9 +74,9 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 priority: int = 0) -> list[GenerationResult]:
+                 priority: int = 0, lora: str | None = None) -> list[GenerationResult]:
         """Results in prompt order. A prompt is text or a list of token ids; params is one for all prompts
-        or one per prompt. Raises ValueError (with nothing left running) if any request is rejected."""
+        or one per prompt; lora names a loaded adapter (--lora-modules) every prompt runs on. Raises ValueError (with nothing left running) if any request is rejected."""
         prompt_list = _normalize_prompts(prompts)
         if params is None:
             params = SamplingParams()
@@ -101,7 +101,7 @@ class LLM:
                                             [] if child.logprobs is not None else None)
                     result.outputs.append(completion)
                     running[rid] = _Sample(result, completion, OutputProcessor(rid, self.tokenizer, child))
-                    self.core.add_request(rid, ids, child, priority)
+                    self.core.add_request(rid, ids, child, priority, lora=lora)
             self._drive(running)
         except BaseException:
             # Leave the engine clean for the next call, whatever interrupted this one.
