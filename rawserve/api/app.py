@@ -79,6 +79,8 @@ class OpenAIServer:
         self.server_config = server_config
         model_dir = pathlib.Path(engine_config.model_dir)
         self.model_name = server_config.served_model_name or model_dir.resolve().name
+        if self.model_name in engine_config.lora_paths():
+            raise ValueError(f"--lora-modules: adapter name {self.model_name!r} is the served model's name")
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
         self.defaults = generation_defaults(model_dir, self.tokenizer, server_config.generation_config)

@@ -338,7 +338,7 @@ class ResponseRun:
             "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
-            "model": self.ctx.model_name,
+            "model": self.ctx.response_model(req),
             "output": [dict(item) for item in self.output.items] if status != "in_progress" else [],
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": effort, "summary": summary}, "store": req.store,

@@ -59,6 +59,8 @@ def test_select_list_load_unload(server, adapters):
     assert status == 200 and by_model["model"] == "a"
     assert by_model["choices"][0]["text"] != base
     assert complete(server, lora="a")[1]["choices"][0]["text"] == by_model["choices"][0]["text"]
+    status, resp = post(server, "/v1/responses", {"model": "a", "input": "hi", "max_output_tokens": 4})
+    assert status == 200 and resp["model"] == "a"
     status, body = complete(server, model="nope")
     assert status == 404 and body["error"]["code"] == "model_not_found"
     status, body = complete(server, lora="nope")
