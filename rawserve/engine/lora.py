@@ -7,8 +7,8 @@ Core side. An adapter's tensors are kept on the CPU once loaded (`LoraAdapter`);
 One step's delta for a linear with k fused parts (qkv: 3, gate_up: 2, o and down: 1), over the rows that
 have an adapter (rows without one are not touched):
 
-    h = x @ A_all.T             A_all: [L * k * R, in]   every slot's A, one matmul (shrink)
-    h *= onehot(slot)           each row keeps its own slot's columns
+    h = x @ A_all.T             A_all: [k * L * R, in]   every part's and slot's A, one matmul (shrink)
+    h *= mask                   each row keeps its own slot's columns (a 0/1 mask built once per step)
     y[:, part j] += h_j @ Bt_j  Bt_j: [L * R, out_j]     one matmul per part (expand), the scale folded in
 
 L slots of rank R (max_lora_rank; a smaller adapter is zero-padded). Reading every slot's A and B costs
@@ -146,7 +146,7 @@ class LoraBatch:
     """One step's adapter layout: the flattened token rows that have an adapter, and each one's slot."""
 
     rows: torch.Tensor | None  # [S] int64 token indices, None when every token has an adapter
-    onehot: torch.Tensor  # [S, L, 1] in the model's dtype: 1 at the row's slot
+    masks: dict[int, torch.Tensor]  # k parts -> [S, k * L * R] in the model's dtype: 1 on the row's slot
 
 
 class LoraWeights:
@@ -163,14 +163,14 @@ class LoraWeights:
             parts[fused].append(module)
         self.parts = parts
         L, R = max_loras, max_rank
-        # layers[i][fused] = (A_all [L * k * R, in], [Bt_j [L * R, out_j] for each part j]). B is kept
+        # layers[i][fused] = (A_all [k * L * R, in], [Bt_j [L * R, out_j] for each part j]). B is kept
         # transposed: x @ B.T with B [out, L * R] hit a slow oneDNN path on CPU (~20x slower at K = 128).
         self.layers: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
         for _ in range(cfg.num_layers):
             entry = {}
             for fused, modules in parts.items():
                 in_f = shapes[modules[0]][0]
-                a = torch.zeros(L * len(modules) * R, in_f, dtype=dtype, device=device)
+                a = torch.zeros(len(modules) * L * R, in_f, dtype=dtype, device=device)
                 bs = [torch.zeros(L * R, shapes[m][1], dtype=dtype, device=device) for m in modules]
                 entry[fused] = (a, bs)
             self.layers.append(entry)
@@ -182,8 +182,8 @@ class LoraWeights:
         for i, entry in enumerate(self.layers):
             for fused, (a, bs) in entry.items():
                 modules = self.parts[fused]
-                a_view = a.view(L, len(modules), R, a.shape[1])
-                a_view[slot].zero_()
+                a_view = a.view(len(modules), L, R, a.shape[1])
+                a_view[:, slot].zero_()
                 for j, module in enumerate(modules):
                     b_view = bs[j].view(L, R, bs[j].shape[1])
                     b_view[slot].zero_()
@@ -191,7 +191,7 @@ class LoraWeights:
                     if pair is not None:
                         lora_a, lora_b = pair
                         r = lora_a.shape[0]
-                        a_view[slot, j, :r].copy_(lora_a)
+                        a_view[j, slot, :r].copy_(lora_a)
                         b_view[slot, :r].copy_(lora_b.t())
         self.slots[slot] = adapter.name if adapter is not None else None
 
@@ -201,21 +201,23 @@ class LoraWeights:
         if not rows:
             return None
         slots = torch.tensor([token_slots[i] for i in rows], dtype=torch.int64)
-        onehot = F.one_hot(slots, self.max_loras).to(self.dtype).unsqueeze(-1)
+        mask = F.one_hot(slots, self.max_loras).to(self.dtype).repeat_interleave(self.max_rank, dim=1)  # [S, L*R]
+        mask = mask.to(self.device)
         index = None if len(rows) == len(token_slots) else torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return LoraBatch(index, onehot.to(self.device))
+        return LoraBatch(index, {k: mask.repeat(1, k) if k > 1 else mask for k in (1, 2, 3)})
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
         """y (the base linear's output for x) plus each adapter row's delta."""
         a, bs = self.layers[layer][fused]
         xs = x if lora.rows is None else x.index_select(0, lora.rows)
-        num = xs.shape[0]
-        k, L, R = len(bs), self.max_loras, self.max_rank
-        h = (F.linear(xs, a).view(num, L, k, R) * lora.onehot.unsqueeze(-1))  # [S, L, k, R]
-        if k == 1:
-            delta = torch.mm(h.view(num, L * R), bs[0])
-        else:
-            delta = torch.cat([torch.mm(h[:, :, j].reshape(num, L * R), b) for j, b in enumerate(bs)], dim=1)
-        if lora.rows is None:  # y is the base linear's fresh output: added to in place
-            return y.add_(delta)
+        num, k = xs.shape[0], len(bs)
+        h = F.linear(xs, a).mul_(lora.masks[k]).view(num, k, -1)  # [S, k, L * R]; h[:, j] is a strided view
+        if lora.rows is None:  # y is the base linear's fresh output: each part added to in place
+            offset = 0
+            for j, bt in enumerate(bs):
+                width = bt.shape[1]
+                y[:, offset:offset + width].addmm_(h[:, j], bt)
+                offset += width
+            return y
+        delta = torch.mm(h[:, 0], bs[0]) if k == 1 else torch.cat([torch.mm(h[:, j], bt) for j, bt in enumerate(bs)], 1)
         return y.index_add_(0, lora.rows, delta)
