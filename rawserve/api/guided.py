@@ -222,9 +222,10 @@ class GrammarCache:
         self.hits = self.misses = 0
 
     def close(self) -> None:
-        """Stop the compile worker (a later miss starts a new one)."""
+        """Stop the compile worker and wait for it to exit (a compile is bounded, so this is short); a later
+        miss starts a new one."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
     def _worker(self) -> ProcessPoolExecutor:

@@ -215,5 +215,5 @@ def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(qwen3_r
     finally:
         srv.stop()
     for p in workers:
-        p.join(10)
+        p.join(30)
         assert not p.is_alive()
