@@ -188,9 +188,9 @@ class Ours:
         return GuidedSpec("json", json.dumps(schema, ensure_ascii=False), "response_format.json_schema.schema")
 
     def grammar(self, schema):
-        from rawserve.api.guided import added_tokens, build_grammar
+        from rawserve.api.guided import build_grammar, vocabulary_of
 
-        return build_grammar(self.spec(schema), added_tokens(self.tokenizer))
+        return build_grammar(self.spec(schema), vocabulary_of(self.tokenizer))
 
     def compile(self, schema, key: str):
         """(runtime, compile_s, first_mask_s), all cold: a fresh key, so nothing is shared with earlier runs.
@@ -199,10 +199,10 @@ class Ours:
         from rawserve.engine.guided.matcher import GrammarRuntime, GuidedState
 
         spec = self.spec(schema)
-        from rawserve.api.guided import added_tokens, build_grammar
+        from rawserve.api.guided import build_grammar, vocabulary_of
 
         began = time.perf_counter()
-        runtime = GrammarRuntime(compile_grammar(build_grammar(spec, added_tokens(self.tokenizer)), key), self.vocab)
+        runtime = GrammarRuntime(compile_grammar(build_grammar(spec, vocabulary_of(self.tokenizer)), key), self.vocab)
         compiled = time.perf_counter()
         GuidedState(runtime).mask()
         return runtime, compiled - began, time.perf_counter() - compiled

@@ -27,7 +27,6 @@ from rawserve.errors import APIError
 from rawserve.text.tokenizer import Tokenizer
 
 ANY_BYTE = byte_set([(0, 255)])
-VOCAB_SIZE_KEY = "\x00vocab_size"
 MAX_SPEC_CHARS = 256 * 1024  # a schema, pattern or grammar's text; larger ones are refused
 MAX_CHOICES = 4096
 CACHE_SIZE = 256
@@ -156,30 +155,38 @@ def with_reasoning(grammar: Grammar, think: str, added: Mapping[str, int]) -> Gr
     return Grammar(rules, "__reasoning_root")
 
 
-def added_tokens(tokenizer: Tokenizer) -> dict[str, int]:
-    """The vocabulary's added tokens, text -> id: a grammar matches these by id, never by spelling them.
-    Under VOCAB_SIZE_KEY (no token's text), the vocabulary's size, which a token reference must stay under."""
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """What building a grammar needs of the tokenizer (small and picklable, for the compile worker): the added
+    tokens, text -> id, which a grammar matches by id and never by spelling them; and the size a token reference
+    (GBNF `<[id]>`) must stay under."""
+    added: Mapping[str, int]
+    size: int
+
+
+def vocabulary_of(tokenizer: Tokenizer) -> Vocabulary:
     added = {text: i for i in sorted(tokenizer.added_token_ids) if (text := tokenizer.id_to_token(i)) is not None}
-    added[VOCAB_SIZE_KEY] = tokenizer.vocab_size
-    return added
+    return Vocabulary(added, tokenizer.vocab_size)
 
 
-def build_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
+def build_grammar(spec: GuidedSpec, vocab: Vocabulary) -> Grammar:
     """The spec as a grammar (GrammarError if it cannot be one), after any reasoning block. A grammar that
     names the reasoning tags itself (a GBNF `<think> … </think>`) already says how reasoning goes: as is."""
-    grammar = _answer_grammar(spec, added)
+    added = vocab.added
+    grammar = _answer_grammar(spec, vocab)
     tags = {added[t] for t in ("<think>", "</think>") if t in added}
     if tags and any(t in tags for node in grammar.rules.values() for t in iter_tokens(node)):
         return grammar
     return with_reasoning(grammar, spec.think, added)
 
 
-def compile_spec(spec: GuidedSpec, added: Mapping[str, int]) -> CompiledGrammar:
+def compile_spec(spec: GuidedSpec, vocab: Vocabulary) -> CompiledGrammar:
     """build_grammar, then the NFA: what the compile worker runs."""
-    return compile_grammar(build_grammar(spec, added), spec.key)
+    return compile_grammar(build_grammar(spec, vocab), spec.key)
 
 
-def _answer_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
+def _answer_grammar(spec: GuidedSpec, vocab: Vocabulary) -> Grammar:
+    added = vocab.added
     if spec.kind == "json":
         return schema_to_grammar(json.loads(spec.text))
     if spec.kind == "json_object":
@@ -191,11 +198,10 @@ def _answer_grammar(spec: GuidedSpec, added: Mapping[str, int]) -> Grammar:
     if spec.kind == "grammar":
         grammar = parse_gbnf(spec.text, added.get)
         check_grammar(grammar)
-        vocab_size = added.get(VOCAB_SIZE_KEY)
         for node in grammar.rules.values():
             for token_id in iter_tokens(node):
-                if vocab_size is not None and not 0 <= token_id < vocab_size:
-                    raise GrammarError(f"token <[{token_id}]> is outside the vocabulary (size {vocab_size})")
+                if not 0 <= token_id < vocab.size:
+                    raise GrammarError(f"token <[{token_id}]> is outside the vocabulary (size {vocab.size})")
         return grammar
     style, parallel, tools = json.loads(spec.text)
     open_tag, close_tag = (Token(added[text]) if text in added else lit(text)
@@ -214,7 +220,7 @@ class GrammarCache:
     """
 
     def __init__(self, tokenizer: Tokenizer, capacity: int = CACHE_SIZE) -> None:
-        self.added = added_tokens(tokenizer)
+        self.vocab = vocabulary_of(tokenizer)
         self.capacity = capacity
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
@@ -242,7 +248,7 @@ class GrammarCache:
         self.misses += 1
         try:  # in the worker even when short: `.{0,9999}` is short text and a large automaton
             compiled = await asyncio.get_running_loop().run_in_executor(self._worker(), compile_spec, spec,
-                                                                        self.added)
+                                                                        self.vocab)
         except BrokenProcessPool:  # the worker died (killed, out of memory): the next miss starts another
             self._pool = None
             raise APIError(500, f"Compiling {spec.param} failed: the compile worker died.",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from rawserve.api.guided import GuidedSpec, added_tokens, build_grammar, think_mode
+from rawserve.api.guided import GuidedSpec, build_grammar, think_mode, vocabulary_of
 from rawserve.engine.guided.automaton import Automaton
 from rawserve.engine.guided.grammar import TOKEN_BASE, symbols
 from rawserve.engine.guided.nfa import compile_grammar
@@ -30,7 +30,7 @@ def test_think_mode_follows_the_rendered_prompt():
 def test_reasoning_block_comes_before_the_constrained_answer(tok, think, answer_only, thought, continued):
     start, end = TOKEN_BASE + tok.token_to_id("<think>"), TOKEN_BASE + tok.token_to_id("</think>")
     spec = GuidedSpec("json", SCHEMA, "guided_json", think)
-    a = Automaton(compile_grammar(build_grammar(spec, added_tokens(tok)), think))
+    a = Automaton(compile_grammar(build_grammar(spec, vocabulary_of(tok)), think))
     answer = symbols('{"a": 1}')
     assert a.matches(answer) == answer_only
     assert a.matches((start, *symbols("Let me think. {not json"), end, *symbols("\n\n"), *answer)) == thought
@@ -45,6 +45,6 @@ def test_the_reasoning_mode_is_part_of_the_cache_key():
 def test_a_grammar_that_spells_the_reasoning_block_is_taken_as_is(tok):
     start, end = TOKEN_BASE + tok.token_to_id("<think>"), TOKEN_BASE + tok.token_to_id("</think>")
     spec = GuidedSpec("grammar", 'root ::= <think> "plan" </think> "\\n\\n" ("yes" | "no")', "guided_grammar", "may")
-    a = Automaton(compile_grammar(build_grammar(spec, added_tokens(tok)), "spelled"))
+    a = Automaton(compile_grammar(build_grammar(spec, vocabulary_of(tok)), "spelled"))
     assert a.matches((start, *symbols("plan"), end, *symbols("\n\nyes")))
     assert not a.matches((start, *symbols("x"), end, start, *symbols("plan"), end, *symbols("\n\nyes")))
