@@ -57,7 +57,7 @@ def logged(handler: Handler, is_enabled: bool = True) -> Handler:
         try:
             response = await handler(request)
         except APIError as error:
-            _error(request, record, error)
+            log_error(request, record, error)
             if is_enabled:
                 _access(request, record, error.status)
             raise
@@ -82,7 +82,7 @@ async def _watch(events: AsyncIterator[Any], request: Request, record: AccessRec
             yield event
     except APIError as error:  # sse.stream turns it into an error event; the operator sees it here
         record.stream_error = error
-        _error(request, record, error)
+        log_error(request, record, error)
         raise
     finally:
         if is_enabled:
@@ -108,7 +108,9 @@ def _client(request: Request) -> str:
     return str(client) if client else "-"
 
 
-def _error(request: Request, record: AccessRecord, error: APIError) -> None:
+def log_error(request: Request, record: AccessRecord, error: APIError) -> None:
+    """The error line of `error`: a 4xx at debug, a 5xx at error. Public for a stream that turns an engine
+    failure into its own terminal event (Responses' response.failed) instead of raising it through _watch."""
     level = logging.DEBUG if error.status < 500 else logging.ERROR
     if error_log.isEnabledFor(level):
         error_log.log(level, "%s %s -> %d %s (rid=%s): %s", request.method, request.path, error.status,

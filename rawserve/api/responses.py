@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rawserve.api import access_log
 from rawserve.api.chat import ChatRun, start_chat
 from rawserve.api.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDefinition, ResponseFormat,
                                    ResponsesRequest, SamplingExtensions, Tool, ToolCall)
@@ -378,7 +379,7 @@ class ResponseRun:
             self.store.put(StoredResponse(response, self.items, self.previous, self.api_key))
         yield {"type": f"response.{status}", "response": response}
 
-    async def stream(self) -> AsyncIterator[dict]:
+    async def stream(self, request: Request) -> AsyncIterator[dict]:
         sequence_number = 0
 
         def numbered(event: dict) -> dict:
@@ -394,6 +395,11 @@ class ResponseRun:
                 async for event in events:
                     yield numbered(event)
         except APIError as error:  # after the 200: the failed response ends the stream
+            # Caught here, so access_log._watch never sees it: record it as that wrapper would.
+            record = access_log.current()
+            if record is not None:
+                record.stream_error = error
+                access_log.log_error(request, record, error)
             failed = self.response("failed", usage=self.usage(),
                                    error={"code": error.code or error.type, "message": error.message})
             yield numbered({"type": "response.failed", "response": failed})
@@ -428,7 +434,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
         raise _renamed(error) from None
     response = ResponseRun(ctx, store, req, rid, items, previous, request.api_key, run)
     if req.stream:
-        return SSEResponse(response.stream(), named=True)
+        return SSEResponse(response.stream(request), named=True)
     return JSONResponse(await response.whole())
 
 

@@ -364,7 +364,8 @@ def test_an_agents_sdk_turn_calls_a_function_tool(server):
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
 
 
-def test_a_stream_whose_engine_dies_ends_with_response_failed():
+def test_a_stream_whose_engine_dies_ends_with_response_failed_and_is_logged(caplog):
+    import logging
     import os
     import signal
 
@@ -376,7 +377,7 @@ def test_a_stream_whose_engine_dies_ends_with_response_failed():
     try:
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=60)
         events = []
-        with client.responses.create(model=MODEL, input="Go on", max_output_tokens=900, stream=True,
+        with caplog.at_level(logging.INFO, "rawserve"), client.responses.create(model=MODEL, input="Go on", max_output_tokens=900, stream=True,
                                      extra_body={"ignore_eos": True}) as stream:
             for event in stream:
                 events.append(event)
@@ -385,5 +386,12 @@ def test_a_stream_whose_engine_dies_ends_with_response_failed():
         assert events[-1].type == "response.failed"
         assert events[-1].response.status == "failed" and events[-1].response.error is not None
         assert [e.sequence_number for e in events] == list(range(len(events)))
+        # The failure never reached the access log's wrapper (response.failed is the stream's own end), so the
+        # handler records it: an error line with the rid, and stream_error= on the access line.
+        rid = events[-1].response.id
+        errors = [r for r in caplog.records if r.name == "rawserve.api" and r.levelno == logging.ERROR]
+        assert any("POST /v1/responses -> 5" in r.getMessage() and "rid=" in r.getMessage() for r in errors), errors
+        access = [r.getMessage() for r in caplog.records if r.name == "rawserve.access"]
+        assert any("stream_error=5" in line for line in access), (rid, access)
     finally:
         srv.stop()
