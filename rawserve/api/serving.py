@@ -68,8 +68,8 @@ class ServingContext:
         return model if model is not None and model != self.model_name and model in self.loras else None
 
     def response_model(self, req: SamplingFields) -> str:
-        """The model name a response reports: the adapter's when the request named one, as vLLM does."""
-        return req.model if req.model is not None and req.model in self.loras else self.model_name
+        """The model name a response reports: the adapter's that runs it (lora_for's choice), as vLLM does."""
+        return self.lora_for(req) or self.model_name
 
     async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None) -> list[int]:
         """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its

@@ -44,6 +44,10 @@ class EngineCore:
                                    max_loras=config.max_loras if config.lora_enabled else 0)
         self.loras: dict[str, LoraAdapter] = {}  # adapters that may be asked for, on the CPU
         self._lora_users: dict[str, int] = {}  # adapter -> unfinished requests using it
+        # adapter -> which load it is: a name unloaded and loaded again from other weights must not share
+        # prefix-cache blocks with its old self, so the cache key carries this
+        self._lora_loads: dict[str, int] = {}
+        self._num_lora_loads = itertools.count()
         self._unloading: set[str] = set()  # unloaded while in use: dropped when its last request ends
         for name, path in config.lora_paths().items():
             self.load_lora(name, path)
@@ -78,6 +82,7 @@ class EngineCore:
         if name in self.loras:
             raise ValueError(f"lora: an adapter named {name!r} is already loaded")
         self.loras[name] = read_adapter(name, path, self.runner.model_config, self.config.max_lora_rank)
+        self._lora_loads[name] = next(self._num_lora_loads)
 
     def unload_lora(self, name: str) -> None:
         """Refuse new requests for the adapter now; drop it once its last request ends (KeyError: unknown)."""
@@ -139,7 +144,8 @@ class EngineCore:
         if lora is not None and (lora not in self.loras or lora in self._unloading):
             raise ValueError(f"lora: no adapter named {lora!r} is loaded")
         req = Request(rid, list(prompt_ids), params, priority=priority, arrival=next(self._arrivals),
-                      eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt)
+                      eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt,
+                      lora_load=self._lora_loads.get(lora, 0) if lora is not None else 0)
         if params.guided is not None:
             req.guided = self.guided_registry().state_for(params.guided)
         if self.blocks.enable_prefix_caching and req.is_cacheable:

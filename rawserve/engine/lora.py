@@ -102,27 +102,30 @@ def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank
         raise LoraError(f"{weight_file}: file is missing (only safetensors adapters are read)")
     shapes = part_shapes(cfg)
     found: dict[tuple[int, str, str], torch.Tensor] = {}
-    with open(weight_file, "rb", buffering=0) as f:
-        for entry in read_safetensors_header(weight_file):
-            match = _NAME.match(entry.name)
-            if match is None:
-                raise LoraError(f"{weight_file}: tensor {entry.name!r} is not a LoRA A/B weight of a decoder "
-                                "layer's attention or MLP projection")
-            layer, module, which = int(match[1]), match[2], match[3]
-            if module not in MODULES:
-                raise LoraError(f"{weight_file}: tensor {entry.name!r} targets {module!r}, which is not one of "
-                                f"{', '.join(MODULES)}")
-            if layer >= cfg.num_layers:
-                raise LoraError(f"{weight_file}: tensor {entry.name!r} is for layer {layer}; the base model has "
-                                f"{cfg.num_layers} layers")
-            in_f, out_f = shapes[module]
-            expected = (rank, in_f) if which == "A" else (out_f, rank)
-            if entry.shape != expected:
-                raise LoraError(f"{weight_file}: tensor {entry.name!r} has shape {entry.shape}, expected "
-                                f"{expected} (r={rank} on this base model)")
-            tensor = torch.empty(entry.shape, dtype=entry.dtype)
-            read_tensor_into(entry, f, tensor)
-            found[(layer, module, which)] = tensor.float()
+    try:  # an unreadable file (a directory, no permission) must fail the load, not the engine
+        with open(weight_file, "rb", buffering=0) as f:
+            for entry in read_safetensors_header(weight_file):
+                match = _NAME.match(entry.name)
+                if match is None:
+                    raise LoraError(f"{weight_file}: tensor {entry.name!r} is not a LoRA A/B weight of a decoder "
+                                    "layer's attention or MLP projection")
+                layer, module, which = int(match[1]), match[2], match[3]
+                if module not in MODULES:
+                    raise LoraError(f"{weight_file}: tensor {entry.name!r} targets {module!r}, which is not one of "
+                                    f"{', '.join(MODULES)}")
+                if layer >= cfg.num_layers:
+                    raise LoraError(f"{weight_file}: tensor {entry.name!r} is for layer {layer}; the base model has "
+                                    f"{cfg.num_layers} layers")
+                in_f, out_f = shapes[module]
+                expected = (rank, in_f) if which == "A" else (out_f, rank)
+                if entry.shape != expected:
+                    raise LoraError(f"{weight_file}: tensor {entry.name!r} has shape {entry.shape}, expected "
+                                    f"{expected} (r={rank} on this base model)")
+                tensor = torch.empty(entry.shape, dtype=entry.dtype)
+                read_tensor_into(entry, f, tensor)
+                found[(layer, module, which)] = tensor.float()
+    except OSError as error:
+        raise LoraError(f"{weight_file}: cannot read ({error})") from None
     if not found:
         raise LoraError(f"{weight_file}: no LoRA tensors")
     weights = {}
@@ -174,7 +177,6 @@ class LoraWeights:
                 bs = [torch.zeros(L * R, shapes[m][1], dtype=dtype, device=device) for m in modules]
                 entry[fused] = (a, bs)
             self.layers.append(entry)
-        self.slots: list[str | None] = [None] * max_loras  # the adapter each slot holds
 
     def load(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Write an adapter's weights into a slot (zeros where it has no target), or clear it (None)."""
@@ -193,7 +195,6 @@ class LoraWeights:
                         r = lora_a.shape[0]
                         a_view[j, slot, :r].copy_(lora_a)
                         b_view[slot, :r].copy_(lora_b.t())
-        self.slots[slot] = adapter.name if adapter is not None else None
 
     def batch(self, token_slots: list[int]) -> LoraBatch | None:
         """Per flattened token, its slot (-1: none) -> the step's LoraBatch, or None when no token has one."""

@@ -188,7 +188,7 @@ class ModelRunner:
         """
         input_ids, positions, meta, rows = self._metadata(batch)
         lora = None
-        if self.lora is not None:
+        if self.lora is not None and any(inp.lora_slot >= 0 for inp in batch.seqs):  # a base-only step: no work
             token_slots = [s for inp in batch.seqs for s in [inp.lora_slot] * len(inp.token_ids)]
             lora = self.lora.batch(token_slots)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]

@@ -34,7 +34,7 @@ class Request:
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
                  arrival: int = 0, eos_token_ids: tuple[int, ...] = (), lora: str | None = None,
-                 features: object | None = None, cache_salt: str | None = None) -> None:
+                 features: object | None = None, cache_salt: str | None = None, lora_load: int = 0) -> None:
         self.rid = rid
         self.params = params
         self.priority = priority
@@ -50,7 +50,8 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at first admission
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # one key per full block of token_ids
-        self.hash_extra = extra_key(lora, cache_salt)
+        # Keyed by the adapter's load, not only its name: a name reloaded with other weights gets fresh blocks.
+        self.hash_extra = extra_key(f"{lora}#{lora_load}" if lora is not None else None, cache_salt)
         # Features (e.g. image embeddings) change the KV of the tokens that stand for them, and the token ids
         # alone cannot say which: such a request neither reads nor publishes cached blocks.
         self.is_cacheable = features is None

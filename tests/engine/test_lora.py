@@ -200,3 +200,30 @@ def test_offline_llm_and_process_messages(lora_setup):
     assert stats.extra["lora"] == {"max_lora": 2, "running": [], "waiting": []}
     msgs = [(MsgKind.LORA, (3, "load", "b", "/x")), (MsgKind.LORA_DONE, (3, "bad", "bad")), (MsgKind.STATS, stats)]
     assert decode(encode(msgs)) == msgs  # what crosses the process boundary pickles as it is
+
+
+def test_an_adapter_reloaded_under_its_name_with_other_weights_shares_no_cached_blocks(lora_setup):
+    base, adapters = lora_setup
+    core = lora_core(base, adapters)
+    ids = prompt(20, 5)
+    run(core, [("x", ids, greedy(4, ignore_eos=True), 0, {"lora": "a"})])
+    as_b, _, _ = run(core, [("y", ids, greedy(4, ignore_eos=True), 0, {"lora": "b"})])
+    core.unload_lora("a")
+    core.load_lora("a", str(adapters["b"]))  # the name "a" now holds b's weights
+    got, final, _ = run(core, [("z", ids, greedy(4, ignore_eos=True), 0, {"lora": "a"})])
+    assert final["z"].num_cached_tokens == 0 and got["z"] == as_b["y"]
+
+
+def test_an_unreadable_adapter_file_fails_the_load_not_the_engine(lora_setup, tmp_path):
+    import shutil
+
+    base, adapters = lora_setup
+    core = lora_core(base, adapters)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(adapters["a"] / "adapter_config.json", broken / "adapter_config.json")
+    (broken / "adapter_model.safetensors").mkdir()  # opening it raises IsADirectoryError, an OSError
+    with pytest.raises(ValueError, match="adapter_model.safetensors"):
+        core.load_lora("c", str(broken))
+    tokens, _, _ = run(core, [("r", prompt(5, 1), greedy(3, ignore_eos=True), 0, {"lora": "a"})])
+    assert len(tokens["r"]) == 3
