@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+
 from rawserve import __version__
 from rawserve.api.chat import render_prompt
 from rawserve.api.protocol import (ChatRequest, DetokenizeRequest, LoadLoraAdapterRequest, TokenizeRequest,
@@ -41,16 +43,20 @@ async def load_lora_adapter(ctx: ServingContext, request: Request) -> TextRespon
     req = parse(LoadLoraAdapterRequest, request.json())
     name = req.lora_name
     if not name or not req.lora_path:
-        raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
+        raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
+                       param="lora_name" if not name else "lora_path")
     if name == ctx.model_name or name in ctx.loras:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-    try:
+    async def load_and_register() -> None:
         await ctx.llm.lora_op("load", name, req.lora_path)
+        ctx.loras[name] = req.lora_path
+
+    try:  # shielded: a client that leaves mid-load must not leave the core with an adapter we do not list
+        await asyncio.shield(asyncio.ensure_future(load_and_register()))
     except (ValueError, KeyError) as error:
         raise APIError(400, str(error).strip("'\""), param="lora_path") from None
     except EngineDead as error:
         raise APIError(503, f"The engine is dead: {error}", code="engine_dead") from None
-    ctx.loras[name] = req.lora_path
     return TextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -62,7 +68,7 @@ async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResp
         raise model_not_found(name, "lora_name")
     del ctx.loras[name]
     try:
-        await ctx.llm.lora_op("unload", name)
+        await asyncio.shield(asyncio.ensure_future(ctx.llm.lora_op("unload", name)))  # as for a load
     except KeyError:
         raise model_not_found(name, "lora_name") from None
     except EngineDead as error:
