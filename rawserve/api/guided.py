@@ -224,7 +224,6 @@ class GrammarCache:
         self.capacity = capacity
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
-        self._num_states = 0
         self.hits = self.misses = 0
 
     def close(self) -> None:
@@ -259,7 +258,8 @@ class GrammarCache:
         except RecursionError:
             raise APIError(400, f"Invalid {spec.param}: it is nested too deeply.", param=spec.param) from None
         self._compiled[spec.key] = compiled
-        self._num_states += compiled.num_states
-        while len(self._compiled) > self.capacity or (self._num_states > MAX_CACHED_STATES and len(self._compiled) > 1):
-            self._num_states -= self._compiled.popitem(last=False)[1].num_states
+        # Counted on each miss rather than kept beside the cache (at most `capacity` grammars to add up).
+        while len(self._compiled) > 1 and (len(self._compiled) > self.capacity or sum(
+                c.num_states for c in self._compiled.values()) > MAX_CACHED_STATES):
+            self._compiled.popitem(last=False)
         return compiled

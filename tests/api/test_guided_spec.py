@@ -48,3 +48,21 @@ def test_a_grammar_that_spells_the_reasoning_block_is_taken_as_is(tok):
     a = Automaton(compile_grammar(build_grammar(spec, vocabulary_of(tok)), "spelled"))
     assert a.matches((start, *symbols("plan"), end, *symbols("\n\nyes")))
     assert not a.matches((start, *symbols("x"), end, start, *symbols("plan"), end, *symbols("\n\nyes")))
+
+
+async def test_the_compiled_grammar_cache_is_bounded_by_count_and_by_states(tok, monkeypatch):
+    import rawserve.api.guided as guided
+
+    cache = guided.GrammarCache(tok, capacity=3)
+    try:
+        specs = [GuidedSpec("regex", f"[ab]{{{n}}}", "guided_regex") for n in range(1, 6)]
+        for spec in specs:
+            await cache.get(spec)
+        assert list(cache._compiled) == [s.key for s in specs[-3:]]  # the oldest went first
+        monkeypatch.setattr(guided, "MAX_CACHED_STATES", 1)
+        await cache.get(GuidedSpec("regex", "c", "guided_regex"))
+        assert len(cache._compiled) == 1  # over the state bound: all but the newest dropped
+        hit = await cache.get(GuidedSpec("regex", "c", "guided_regex"))
+        assert cache.hits == 1 and hit is cache._compiled[GuidedSpec("regex", "c", "guided_regex").key]
+    finally:
+        cache.close()
