@@ -227,3 +227,16 @@ def test_an_unreadable_adapter_file_fails_the_load_not_the_engine(lora_setup, tm
         core.load_lora("c", str(broken))
     tokens, _, _ = run(core, [("r", prompt(5, 1), greedy(3, ignore_eos=True), 0, {"lora": "a"})])
     assert len(tokens["r"]) == 3
+
+
+def test_a_new_adapter_takes_the_least_recently_used_idle_slot():
+    from rawserve.engine.scheduler import LoraSlots
+
+    slots = LoraSlots(2)
+    a, b = slots.acquire("a"), slots.acquire("b")
+    slots.release(a)
+    slots.release(b)
+    slots.release(slots.acquire("a"))  # a is used again: b is now the least recently used
+    assert slots.acquire("c") == b and slots.slots == ["a", "c"]
+    assert slots.acquire("d") == a and slots.acquire("e") == -1  # c and d are running: nothing to evict
+    assert slots.take_loads() == [(0, "a"), (1, "b"), (1, "c"), (0, "d")]
