@@ -35,6 +35,8 @@ _TERMINAL = ("response.completed", "response.incomplete")
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_INPUT_ITEMS_PAGE = 100
+# OpenAI's limits on `metadata`: it refuses more, and a client relying on them should get the same 400 here.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 def _new_id(prefix: str) -> str:
@@ -53,6 +55,24 @@ def _check_unsupported(req: ResponsesRequest) -> None:
     for name in ("conversation", "prompt", "max_tool_calls"):
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} is not supported by this server.", param=name)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, f"Invalid 'metadata': too many properties. Expected an object with at most "
+                            f"{MAX_METADATA_PAIRS} properties, but got an object with {len(metadata)} properties "
+                            "instead.", param="metadata", code="object_above_max_size")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise APIError(400, f"Invalid 'metadata': key {key[:MAX_METADATA_KEY_CHARS]!r}... is {len(key)} "
+                                f"characters long; the limit is {MAX_METADATA_KEY_CHARS}.", param="metadata",
+                           code="string_above_max_length")
+        if isinstance(value, str) and len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError(400, f"Invalid 'metadata': the value of {key!r} is {len(value)} characters long; the "
+                                f"limit is {MAX_METADATA_VALUE_CHARS}.", param="metadata",
+                           code="string_above_max_length")
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -349,11 +369,12 @@ class ResponseRun:
             "usage": usage, "user": req.user, "metadata": req.metadata or {},
         }
 
-    def usage(self) -> dict:
+    async def usage(self) -> dict:
         chat = self.run.tally.usage()
         reasoning = "".join(part["text"] for item in self.output.items if item["type"] == "reasoning"
                             for part in item["summary"])
-        num_reasoning = len(self.ctx.tokenizer.encode(reasoning, False)) if reasoning else 0
+        # ctx.encode moves a long text to a thread: a long reasoning summary must not stall the loop.
+        num_reasoning = len(await self.ctx.encode(reasoning, False)) if reasoning else 0
         return {"input_tokens": chat["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": chat["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": chat["completion_tokens"],
@@ -374,7 +395,7 @@ class ResponseRun:
         status = "incomplete" if finish == "length" else "completed"
         for event in self.output.finish(status):
             yield event
-        response = self.response(status, usage=self.usage())
+        response = self.response(status, usage=await self.usage())
         if self.req.store:
             self.store.put(StoredResponse(response, self.items, self.previous, self.api_key))
         yield {"type": f"response.{status}", "response": response}
@@ -400,7 +421,7 @@ class ResponseRun:
             if record is not None:
                 record.stream_error = error
                 access_log.log_error(request, record, error)
-            failed = self.response("failed", usage=self.usage(),
+            failed = self.response("failed", usage=await self.usage(),
                                    error={"code": error.code or error.type, "message": error.message})
             yield numbered({"type": "response.failed", "response": failed})
 
@@ -416,6 +437,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     req = parse(ResponsesRequest, request.json())
     ctx.check_model(req.model)
     _check_unsupported(req)
+    _check_metadata(req.metadata)
     previous = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id, request.api_key)
@@ -451,8 +473,9 @@ async def retrieve_response(store: ResponseStore, request: Request) -> JSONRespo
 
 
 async def delete_response(store: ResponseStore, request: Request) -> JSONResponse:
-    rid = _stored(store, request).response["id"]
-    store.delete(rid, request.api_key)
+    rid = request.path_params["response_id"]
+    if not store.delete(rid, request.api_key):  # unknown, evicted, or another key's: the same 404 as GET
+        raise _not_found(f"Response with id '{rid}' not found.")
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 

@@ -262,12 +262,21 @@ def test_previous_response_id_chains_the_conversation_from_the_prefix_cache(serv
     ({"input": "x", "tool_choice": "required", "tools": [{**WEATHER, "parameters": {"type": "nope"}}]},
      "tools.0.parameters"),
     ({}, "input"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
 ])
 def test_unsupported_or_bad_fields_get_a_400_naming_them(server, body, param):
     status, payload = post(server, {"model": MODEL, **body})
     error = orjson.loads(payload)["error"]
     assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_metadata_at_openai_s_limits_is_echoed(client):
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=2, metadata=metadata, store=False)
+    assert r.metadata == metadata
 
 
 def test_unknown_model_and_previous_response_get_404(server):
