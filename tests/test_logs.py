@@ -117,6 +117,19 @@ def test_startup_summary_names_everything_an_operator_checks(tmp_path):
         assert part in line, part
 
 
+def test_startup_summary_reads_no_safetensors_header_when_the_core_counted(monkeypatch):
+    from rawserve.api import status_log
+    from rawserve.demo_model import ensure_demo_model
+
+    def no_open(*args, **kwargs):
+        raise AssertionError("a safetensors header was read on the event loop")
+
+    monkeypatch.setattr(status_log, "open", no_open, raising=False)  # shadows the builtin in that module only
+    line = startup_summary(EngineConfig(model_dir=str(ensure_demo_model())), ServerConfig(), "demo",
+                           {"num_params": 2_000_000}, 8001)
+    assert "Qwen3ForCausalLM, 2.00M parameters" in line
+
+
 def request(path: str = "/v1/completions") -> Request:
     return Request("POST", path, "", Headers([]), b"{}", client=("10.0.0.7", 5555))
 

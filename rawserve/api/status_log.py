@@ -20,15 +20,18 @@ log = logging.getLogger("rawserve")
 STATS_INTERVAL_S = 10.0
 
 
-def checkpoint_facts(model_dir: str | pathlib.Path) -> tuple[str, int | None]:
+def checkpoint_facts(model_dir: str | pathlib.Path, count_params: bool = True) -> tuple[str, int | None]:
     """(architecture, parameter count) read from config.json and the safetensors headers: no torch, no
-    weights read. The count is None when a header cannot be read (the core will have said why)."""
+    weights read. The count is None when a header cannot be read (the core will have said why), or when
+    not `count_params` (the headers are not opened at all)."""
     root = pathlib.Path(model_dir)
     try:
         config = json.loads((root / "config.json").read_text())
         architecture = ",".join(config.get("architectures") or []) or str(config.get("model_type", "?"))
     except (OSError, ValueError, AttributeError):
         architecture = "?"
+    if not count_params:
+        return architecture, None
     total = 0
     try:
         files = sorted(root.glob("*.safetensors"))
@@ -62,7 +65,9 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
                     info: dict[str, Any], port: int) -> str:
     """The one line an operator reads to know what is being served, where and how."""
     model_dir = engine_config.model_dir or "?"
-    architecture, num_params = checkpoint_facts(model_dir)
+    # The core's READY info counts the parameters already; reading every safetensors header again would run on
+    # the event loop after the server listens, so only a core that did not count has them read here.
+    architecture, num_params = checkpoint_facts(model_dir, count_params="num_params" not in info)
     num_params = info.get("num_params", num_params)
     num_blocks = info.get("num_blocks")
     block_size = info.get("block_size", engine_config.block_size)
