@@ -15,7 +15,7 @@ import sys
 import time
 
 from rawserve import __version__
-from rawserve.config import EngineConfig, ServerConfig, add_arguments, apply_environment, build_parser, \
+from rawserve.config import LOG_LEVELS, EngineConfig, ServerConfig, add_arguments, apply_environment, build_parser, \
     configs_from_args
 
 COMMANDS = ("serve", "generate", "demo")
@@ -112,7 +112,7 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=None,
                         help="Sampling temperature; default: generation_config.json's, else 0 (greedy).")
     parser.add_argument("--sample-seed", type=int, default=None, help="Seed of this request's sampling.")
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                         help="Log level (load progress is at info).")
     apply_environment(parser, os.environ)
     args = parse_with_model(parser, argv)

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from rawserve.config import apply_environment
+from rawserve.config import LOG_LEVELS, apply_environment
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
@@ -169,7 +169,7 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--model-dir", "--model", default=None, help="Checkpoint; default: the demo model.")
     parser.add_argument("--engine-mode", default="process", choices=("process", "thread"),
                         help="Where the engine core runs.")
-    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning"),
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                         help="The server's stderr: warning shows only warnings and errors.")
     apply_environment(parser, os.environ)
     args, extra = parser.parse_known_args(argv)
