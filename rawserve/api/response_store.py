@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+MAX_CHAIN_TURNS = 256  # turns one previous_response_id chain may have (agent loops run long, but not forever)
+
 
 @dataclass(slots=True)
 class StoredResponse:
@@ -15,6 +17,11 @@ class StoredResponse:
     input_items: list[dict]  # this request's own input items, with ids
     previous: StoredResponse | None  # the turn it continued; kept alive by this link even once evicted
     api_key: str | None  # None when the server runs without keys
+    num_turns: int = 1  # this turn and every earlier one in its chain
+
+    def __post_init__(self) -> None:
+        if self.previous is not None:
+            self.num_turns = self.previous.num_turns + 1
 
     def conversation(self) -> list[dict]:
         """Every item of the chain, oldest first: each turn's input, then its output."""
@@ -32,7 +39,8 @@ class StoredResponse:
 
 class ResponseStore:
     """id -> StoredResponse, at most `capacity` of them. A chain holds its earlier turns alive through
-    `previous`, so continuing a conversation never finds a hole; its length is bounded by the context."""
+    `previous`, so continuing a conversation never finds a hole; chains are at most MAX_CHAIN_TURNS long, so
+    the store holds at most capacity x MAX_CHAIN_TURNS records whatever is evicted."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

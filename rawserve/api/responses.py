@@ -19,7 +19,7 @@ from rawserve.api import access_log
 from rawserve.api.chat import ChatRun, start_chat
 from rawserve.api.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDefinition, ResponseFormat,
                                    ResponsesRequest, SamplingExtensions, Tool, ToolCall)
-from rawserve.api.response_store import ResponseStore, StoredResponse
+from rawserve.api.response_store import MAX_CHAIN_TURNS, ResponseStore, StoredResponse
 from rawserve.api.serving import ServingContext, choice_chunks
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
@@ -441,6 +441,10 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     previous = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id, request.api_key)
+        if previous is not None and previous.num_turns >= MAX_CHAIN_TURNS:
+            raise APIError(400, f"The conversation of '{req.previous_response_id}' already has {previous.num_turns} "
+                                f"turns, the most one chain may have ({MAX_CHAIN_TURNS}); start a new one.",
+                           param="previous_response_id", code="conversation_too_long")
         if previous is None:
             raise _not_found(f"Previous response with id '{req.previous_response_id}' not found.",
                              param="previous_response_id", code="previous_response_not_found")

@@ -404,3 +404,18 @@ def test_a_stream_whose_engine_dies_ends_with_response_failed_and_is_logged(capl
         assert any("stream_error=5" in line for line in access), (rid, access)
     finally:
         srv.stop()
+
+
+def test_a_chain_past_its_turn_bound_is_refused_so_the_store_stays_bounded(server, monkeypatch):
+    import rawserve.api.responses as responses
+
+    monkeypatch.setattr(responses, "MAX_CHAIN_TURNS", 2)
+    first = json.loads(post(server, {"model": MODEL, "input": "a", "max_output_tokens": 2})[1])
+    status, body = post(server, {"model": MODEL, "input": "b", "max_output_tokens": 2,
+                                 "previous_response_id": first["id"]})
+    assert status == 200
+    second = json.loads(body)
+    status, body = post(server, {"model": MODEL, "input": "c", "max_output_tokens": 2,
+                                 "previous_response_id": second["id"]})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "previous_response_id" and "2 turns" in error["message"]
