@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import itertools
 import pathlib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -14,7 +15,7 @@ from rawserve.config import EngineConfig
 from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
 from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
-from rawserve.engine.lora import LoraAdapter, read_adapter
+from rawserve.engine.lora import LoraAdapter, LoraError, read_adapter
 from rawserve.engine.model_runner import ModelRunner
 from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
@@ -49,6 +50,8 @@ class EngineCore:
         self._lora_loads: dict[str, int] = {}
         self._num_lora_loads = itertools.count()
         self._unloading: set[str] = set()  # unloaded while in use: dropped when its last request ends
+        self._loading: set[str] = set()  # being read on the reader thread (start_lora_load)
+        self._lora_reader: ThreadPoolExecutor | None = None  # made on the first load at run time
         for name, path in config.lora_paths().items():
             self.load_lora(name, path)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
@@ -74,14 +77,50 @@ class EngineCore:
         return self._guided
 
     def load_lora(self, name: str, path: str) -> None:
-        """Read and check an adapter (LoraError, naming what is wrong) and make it available by name."""
+        """Read, check and register an adapter now (LoraError, naming what is wrong): the adapters named at start."""
+        self._check_loadable(name)
+        self._register_lora(name, read_adapter(name, path, self.runner.model_config, self.config.max_lora_rank))
+
+    def start_lora_load(self, name: str, path: str) -> Future:
+        """Read and check an adapter on a reader thread, so the steps go on meanwhile (a 0.6B model's rank-64
+        adapter is ~80 MB: hundreds of ms of decode stalled for every running request if read here).
+
+        The name is taken until `finish_lora_load(name, future)` registers the adapter or reports the error.
+        """
+        self._check_loadable(name)
+        if self._lora_reader is None:
+            self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
+        self._loading.add(name)
+        return self._lora_reader.submit(read_adapter, name, path, self.runner.model_config, self.config.max_lora_rank)
+
+    def finish_lora_load(self, name: str, future: Future) -> None:
+        """Register a finished read; raise what it raised (any failure is a LoraError: nothing was installed)."""
+        self._loading.discard(name)
+        try:
+            adapter = future.result()
+        except LoraError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a malformed file must fail its load, never the engine
+            raise LoraError(f"lora: adapter {name!r} could not be read: {error!r}") from None
+        self._register_lora(name, adapter)
+
+    def close(self) -> None:
+        """Let the adapter reader thread go (a read in progress finishes and is dropped)."""
+        if self._lora_reader is not None:
+            self._lora_reader.shutdown(wait=False, cancel_futures=True)
+
+    def _check_loadable(self, name: str) -> None:
         if self.runner.lora is None:
             raise ValueError("lora: this engine was started without LoRA support (--enable-lora or --lora-modules)")
         if name in self._unloading:
             raise ValueError(f"lora: adapter {name!r} is being unloaded; its last requests are still running")
         if name in self.loras:
             raise ValueError(f"lora: an adapter named {name!r} is already loaded")
-        self.loras[name] = read_adapter(name, path, self.runner.model_config, self.config.max_lora_rank)
+        if name in self._loading:
+            raise ValueError(f"lora: an adapter named {name!r} is being loaded")
+
+    def _register_lora(self, name: str, adapter: LoraAdapter) -> None:
+        self.loras[name] = adapter
         self._lora_loads[name] = next(self._num_lora_loads)
 
     def unload_lora(self, name: str) -> None:

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from rawserve.engine.ipc import Receiver, Sender
@@ -20,6 +21,7 @@ log = logging.getLogger("rawserve.engine.core_loop")
 
 STATS_INTERVAL_S = 0.25
 _PARENT_POLL_S = 1.0  # an idle child checks this often that its parent still exists
+_LORA_POLL_S = 0.005  # an idle core checks this often whether an adapter read has finished
 
 
 class _FrontendGone(Exception):
@@ -31,6 +33,20 @@ def _send(outputs: Sender, msgs: list[Message]) -> None:
         outputs.send(msgs)
     except OSError as error:  # BrokenPipeError etc.: the frontend exited
         raise _FrontendGone(repr(error)) from error
+
+
+def _finished_lora_reads(core: Any, reads: list[tuple[int, str, Future]]) -> list[Message]:
+    """LORA_DONE for each adapter read that has finished (registered, or its error); the rest stay in `reads`."""
+    done: list[Message] = []
+    for entry in [entry for entry in reads if entry[2].done()]:
+        reads.remove(entry)
+        token, name, future = entry
+        try:
+            core.finish_lora_load(name, future)
+            done.append((MsgKind.LORA_DONE, (token, None, None)))
+        except ValueError as error:  # LoraError: the adapter directory is wrong, and the message says how
+            done.append((MsgKind.LORA_DONE, (token, str(error), "bad")))
+    return done
 
 
 def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
@@ -59,7 +75,11 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
                                           "loras": core.lora_paths() if hasattr(core, "lora_paths") else {},
                                           **describe_core(core)}),  # device, dtype, params: the startup summary's
                         (MsgKind.STATS, core.stats())])
-        _serve(core, inputs, outputs, stats_interval_s)
+        try:
+            _serve(core, inputs, outputs, stats_interval_s)
+        finally:
+            if hasattr(core, "close"):
+                core.close()
     except _FrontendGone as error:
         log.warning("engine frontend is gone (%s); core loop exits", error)
     except Exception as error:  # noqa: BLE001 - a fault outside step() (stats, transport): every request sees it
@@ -80,6 +100,7 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
     parent = multiprocessing.parent_process()
     was_busy = False
     last_stats = time.monotonic()
+    lora_reads: list[tuple[int, str, Future]] = []  # (token, name, read) of adapters being read off this thread
     while True:
         is_busy = core.has_unfinished
         if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
@@ -87,7 +108,8 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             last_stats = time.monotonic()
         was_busy = is_busy
         try:
-            msgs = inputs.recv(0 if is_busy else None if parent is None else _PARENT_POLL_S)
+            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if lora_reads else
+                               None if parent is None else _PARENT_POLL_S)
         except EOFError:  # the frontend closed its end: nobody will send more work
             return
         if not msgs and not is_busy and parent is not None and not parent.is_alive():
@@ -111,11 +133,11 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             elif kind == MsgKind.LORA:
                 token, op, name, path = payload
                 try:
-                    if op == "load":
-                        core.load_lora(name, path)
+                    if op == "load":  # answered when the reader thread is done (_finished_lora_reads)
+                        lora_reads.append((token, name, core.start_lora_load(name, path)))
                     else:
                         core.unload_lora(name)
-                    replies.append((MsgKind.LORA_DONE, (token, None, None)))
+                        replies.append((MsgKind.LORA_DONE, (token, None, None)))
                 except KeyError:
                     replies.append((MsgKind.LORA_DONE, (token, f"no adapter named {name!r} is loaded", "unknown")))
                 except ValueError as error:  # a bad adapter directory (LoraError) or a name in use
@@ -129,6 +151,8 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
                     return
             else:
                 log.error("core loop ignores unknown message kind %r", kind)
+        if lora_reads:
+            replies.extend(_finished_lora_reads(core, lora_reads))
         if not core.has_unfinished:
             _send(outputs, replies)
             continue

@@ -100,3 +100,79 @@ def test_unload_in_use_waits_and_metrics(server):
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": server.app.engine_config
                                                           .lora_paths()["a"]})
     assert status == 200, body
+
+
+@pytest.fixture
+def gated_reads(monkeypatch):
+    """Adapter reads that wait for `gate` (the real read follows): what a large adapter on a slow disk does."""
+    import rawserve.engine.core as core_module
+
+    real, gate, started = core_module.read_adapter, threading.Event(), threading.Event()
+
+    def read_adapter(*args):
+        started.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return real(*args)
+
+    monkeypatch.setattr(core_module, "read_adapter", read_adapter)
+    yield gate, started
+    gate.set()
+
+
+def test_requests_run_while_an_adapter_is_read(server, adapters, gated_reads):
+    gate, started = gated_reads
+    _, paths = adapters
+    answer = {}
+    loader = threading.Thread(target=lambda: answer.update(
+        zip(("status", "body"), post(server, "/v1/load_lora_adapter", {"lora_name": "slow", "lora_path": str(paths["b"])}))))
+    loader.start()
+    assert started.wait(30)
+    status, body = complete(server, model="a", max_tokens=12)  # the core steps on while the read waits
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "slow", "lora_path": str(paths["b"])})
+    assert status == 400 and "being loaded" in body["error"]["message"]
+    assert loader.is_alive() and complete(server, model="slow")[0] == 404  # not listed before it is read
+    gate.set()
+    loader.join(30)
+    assert answer["status"] == 200, answer
+    assert complete(server, model="slow")[0] == 200
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "slow"})[0] == 200
+
+
+def test_a_client_leaving_mid_load_still_gets_the_adapter_listed(server, adapters, gated_reads):
+    """The load goes on when its client leaves (the handler is shielded), and the server lists what the core has."""
+    import socket
+    import time
+
+    gate, started = gated_reads
+    _, paths = adapters
+    body = json.dumps({"lora_name": "left", "lora_path": str(paths["b"])}).encode()
+    with socket.create_connection(("127.0.0.1", server.app.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/load_lora_adapter HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        assert started.wait(30)
+    time.sleep(0.5)  # the server sees the EOF and cancels the handler while the core is still reading
+    gate.set()
+    deadline = time.monotonic() + 30
+    while "left" not in server.app.context.loras:
+        assert time.monotonic() < deadline, "a load whose client left was never listed"
+        time.sleep(0.05)
+    assert complete(server, model="left")[0] == 200
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "left"})[0] == 200
+
+
+def test_load_and_use_at_run_time_with_the_core_in_its_own_process(server, adapters):
+    """The same adapter loaded at run time into a spawned core answers as the thread-mode server's does."""
+    base, paths = adapters
+    spawned = ServerThread(EngineConfig(model_dir=str(base), device="cpu", num_kv_blocks=128, max_model_len=512,
+                                        enable_lora=True, max_loras=1, max_lora_rank=8),
+                           ServerConfig(port=0, served_model_name=MODEL, engine_mode="process", api_key=[]))
+    try:
+        assert spawned.app.llm.info["pid"] != server.app.llm.info["pid"]
+        status, body = post(spawned, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(paths["b"].parent)})
+        assert status == 400 and "adapter_config.json: file is missing" in body["error"]["message"]
+        assert post(spawned, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(paths["a"])})[0] == 200
+        here, there = complete(server, model="a"), complete(spawned, model="a")
+        assert there[0] == 200 and there[1]["choices"][0]["text"] == here[1]["choices"][0]["text"]
+    finally:
+        spawned.stop()
