@@ -1,5 +1,5 @@
 """Batched multi-LoRA decode: tok/s at one batch with 0, 1, 4 and 8 distinct rank-16 adapters, as ratios to the
-base model in the same run (target: >= 0.8x with 8 adapters).
+base model in the same run, the configurations interleaved step by step (target: >= 0.8x with 8 adapters).
 
 python -m bench.lora [--batch 32] [--context 128] [--adapters 0,1,4,8] [--rank 16] [--model-dir DIR]
 Prints one JSON object per line. Default model: a random checkpoint with the Qwen3-0.6B shape. The adapters are
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens already cached per sequence")
     parser.add_argument("--adapters", default="0,1,4,8")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
@@ -58,20 +58,25 @@ def main() -> None:
     head = {"bench": "lora", "model_dir": args.model_dir, "dtype": str(runner.dtype), "device": str(runner.device),
             "batch": args.batch, "context": args.context, "rank": args.rank, "max_loras": max_loras,
             "targets": len(MODULES), "rev": rev(), "threads": torch.get_num_threads()}
-    base_tok_s = None
+    batches = {}
     for count in [0, *[c for c in counts if c]]:
         # Rows spread round-robin over `count` adapters (0: every row on the base model).
         seqs = [StepInput([7], args.context, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
                           i % count if count else -1) for i in range(args.batch)]
-        batch = ForwardBatch.last_tokens(seqs)
-        step_s = statistics.median(timed(lambda: runner.execute(batch), args.reps))
-        tok_s = args.batch / step_s
-        if count == 0:
-            base_tok_s = tok_s
-        if count in counts:
-            print(json.dumps({**head, "adapters": count, "step_ms": round(step_s * 1e3, 2), "tok_s": round(tok_s, 1),
-                              "ratio_to_base": round(tok_s / base_tok_s, 3)}), flush=True)
-
+        batches[count] = ForwardBatch.last_tokens(seqs)
+    # Interleaved: each rep times one step of every configuration back to back, so a neighbour's load falls on
+    # all of them alike; a configuration's ratio is the median over reps of its step time over the base's.
+    times: dict[int, list[float]] = {count: [] for count in batches}
+    for rep in range(args.reps + 1):
+        for count, batch in batches.items():
+            step_s = timed(lambda: runner.execute(batch), 1, warmup=1 if rep == 0 else 0)[0]
+            if rep:  # the first rep warms every configuration up
+                times[count].append(step_s)
+    for count in counts:
+        step_s = statistics.median(times[count])
+        ratio = statistics.median(base / step for base, step in zip(times[0], times[count]))
+        print(json.dumps({**head, "adapters": count, "step_ms": round(step_s * 1e3, 2),
+                          "tok_s": round(args.batch / step_s, 1), "ratio_to_base": round(ratio, 3)}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -176,3 +176,18 @@ def test_load_and_use_at_run_time_with_the_core_in_its_own_process(server, adapt
         assert there[0] == 200 and there[1]["choices"][0]["text"] == here[1]["choices"][0]["text"]
     finally:
         spawned.stop()
+
+
+def test_the_prefix_cache_is_keyed_by_adapter_through_the_api(server):
+    """The same prompt on the base model, then on an adapter: no blocks shared; the adapter again: cached."""
+    long_prompt = "the adapter cache key " * 40  # several full KV blocks
+
+    def cached(model):
+        status, body = complete(server, model=model, prompt=long_prompt, max_tokens=2)
+        assert status == 200, body
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(MODEL)
+    assert cached(MODEL) > 0  # the base model hits its own blocks
+    assert cached("a") == 0  # the adapter's KV differs: it never reads the base model's blocks
+    assert cached("a") > 0

@@ -240,3 +240,32 @@ def test_a_new_adapter_takes_the_least_recently_used_idle_slot():
     assert slots.acquire("c") == b and slots.slots == ["a", "c"]
     assert slots.acquire("d") == a and slots.acquire("e") == -1  # c and d are running: nothing to evict
     assert slots.take_loads() == [(0, "a"), (1, "b"), (1, "c"), (0, "d")]
+
+
+@pytest.mark.parametrize("token_slots", [[2, -1, 0, 2, 2, -1], [3, 3, 0, 0, 0], [1], [-1, 1, -1]])
+def test_grouped_delta_equals_each_row_alone(token_slots):
+    """Slots with gaps, uneven groups and rows without an adapter: each row gets exactly its own slot's delta."""
+    from rawserve.engine.loader import ModelConfig
+    from rawserve.engine.lora import LoraAdapter, LoraWeights, part_shapes
+
+    cfg = ModelConfig("qwen3", "Qwen3ForCausalLM", vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, qk_norm=True)
+    weights = LoraWeights(cfg, max_loras=4, max_rank=4, dtype=torch.float64, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    adapters = {}
+    for slot in range(4):
+        rank = 2 + slot % 3  # ranks below max_rank are zero-padded
+        adapters[slot] = {m: (torch.randn(rank, i, dtype=torch.float64), torch.randn(o, rank, dtype=torch.float64))
+                          for m, (i, o) in part_shapes(cfg).items()}
+        weights.load(slot, LoraAdapter(f"s{slot}", "-", rank, {(0, m): ab for m, ab in adapters[slot].items()}))
+    shapes = part_shapes(cfg)
+    for fused, modules in weights.parts.items():
+        x = torch.randn(len(token_slots), shapes[modules[0]][0], dtype=torch.float64)
+        out = sum(shapes[m][1] for m in modules)
+        got = weights.apply(0, fused, x, torch.zeros(len(token_slots), out, dtype=torch.float64),
+                            weights.batch(token_slots))
+        for row, slot in enumerate(token_slots):
+            want = torch.zeros(out, dtype=torch.float64) if slot < 0 else torch.cat(
+                [x[row] @ adapters[slot][m][0].T @ adapters[slot][m][1].T for m in modules])
+            torch.testing.assert_close(got[row], want)
