@@ -25,6 +25,7 @@ ENV_PREFIX = "RAWSERVE_"
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch",)  # triton kernels are planned; the portable backend runs everywhere
 ENGINE_MODES = ("thread", "process")
+METRICS_COMPAT = ("none", "vllm")
 
 
 def flag(name: str) -> str:
@@ -178,6 +179,9 @@ class ServerConfig:
     responses_store_max: int = field(default=1000, metadata={
         "help": "Stored responses kept in memory for GET /v1/responses/{id} and previous_response_id, least "
                 "recently used dropped first (0: none are kept)."})
+    metrics_compat: str = field(default="none", metadata={
+        "help": "vllm: /metrics also shows every metric under vLLM's names (vllm:*, labels model_name and "
+                "engine), for routers and dashboards built for vLLM.", "choices": METRICS_COMPAT})
     ssl_keyfile: str | None = field(default=None, metadata={
         "help": "PEM private key: serve HTTPS (with --ssl-certfile) on the same asyncio stack."})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate chain for --ssl-keyfile."})
@@ -196,6 +200,8 @@ class ServerConfig:
         _check(self.log_level in LOG_LEVELS, "log_level", f"must be one of {'|'.join(LOG_LEVELS)}, got {self.log_level!r}")
         _check(self.generation_config in GENERATION_CONFIGS or os.path.isdir(self.generation_config),
                "generation_config", f"must be auto, vllm or a directory, got {self.generation_config!r}")
+        _check(self.metrics_compat in METRICS_COMPAT, "metrics_compat",
+               f"must be one of {'|'.join(METRICS_COMPAT)}, got {self.metrics_compat!r}")
         _check((self.ssl_keyfile is None) == (self.ssl_certfile is None), "ssl_certfile",
                "--ssl-keyfile and --ssl-certfile go together")
 

@@ -1,7 +1,7 @@
 """Counters, histograms and gauges rendered in Prometheus's text exposition format (0.0.4).
 
-Standard library only, no client library. It measures nothing itself: the engine frontend feeds it
-observations, and /metrics calls `render`. Names follow vLLM's with a `rawserve:` prefix.
+Standard library only. It measures nothing itself: the frontend feeds it observations, /metrics calls `render`.
+Names, types and buckets are vLLM's under `rawserve:`; `vllm_names` renders them again as `vllm:`.
 """
 from __future__ import annotations
 
@@ -22,6 +22,20 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per server
+
+
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... while <= max_value."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +45,8 @@ class MetricSpec:
     buckets: tuple[float, ...] = ()
     label: str | None = None  # the one extra label besides model_name, if any
     label_values: tuple[str, ...] = ()  # rendered (as 0) before the first observation
+    token_counts: bool = False  # buckets 1-2-5 up to max_model_len, as vLLM's build_1_2_5_buckets
+    vllm: bool = True  # also rendered as vllm:<name> under compat="vllm" (vLLM has the same metric)
 
 
 SPECS: dict[str, MetricSpec] = {
@@ -52,8 +68,24 @@ SPECS: dict[str, MetricSpec] = {
     "num_requests_running": MetricSpec("gauge", "Requests in the running batch."),
     "num_requests_waiting": MetricSpec("gauge", "Requests waiting to be scheduled."),
     "kv_cache_usage_perc": MetricSpec("gauge", "Fraction of KV cache blocks in use (0 to 1)."),
-    "requests_in_flight": MetricSpec("gauge", "Requests the frontend is serving."),
+    "requests_in_flight": MetricSpec("gauge", "Requests the frontend is serving.", vllm=False),
+    "request_prompt_tokens": MetricSpec("histogram", "Number of prefill tokens processed, per request.",
+                                        token_counts=True),
+    "request_generation_tokens": MetricSpec("histogram", "Number of generation tokens processed, per request.",
+                                            token_counts=True),
+    "request_params_n": MetricSpec("histogram", "Histogram of the n request parameter.", N_BUCKETS),
+    "request_params_max_tokens": MetricSpec("histogram", "Histogram of the max_tokens request parameter.",
+                                            token_counts=True),
+    "request_prefill_time_seconds": MetricSpec("histogram", "Time from first scheduling to the first token.",
+                                               REQUEST_BUCKETS),
+    "request_decode_time_seconds": MetricSpec("histogram", "Time from the first token to the last.",
+                                              REQUEST_BUCKETS),
+    "request_inference_time_seconds": MetricSpec("histogram", "Time from first scheduling to the last token.",
+                                                 REQUEST_BUCKETS),
+    "iteration_tokens_total": MetricSpec("histogram", "Prompt plus generated tokens per engine step.",
+                                         ITERATION_TOKEN_BUCKETS),
 }
+CACHE_CONFIG_INFO = "cache_config_info"  # a gauge fixed at 1, its value in labels (vLLM's Info emulation)
 
 
 def _number(value: float) -> str:
@@ -74,12 +106,19 @@ class Metrics:
     """One server's metrics. Thread-safe: the frontend observes on the event loop, /metrics may render
     from anywhere."""
 
-    def __init__(self, model_name: str, prefix: str = PREFIX) -> None:
+    def __init__(self, model_name: str, prefix: str = PREFIX, vllm_names: bool = False,
+                 max_model_len: int = 8192) -> None:
+        """`vllm_names` (--metrics-compat vllm): every metric vLLM also has is rendered a second time as
+        vllm:<name>, with vLLM's labels (model_name, engine). `max_model_len` sizes the token-count buckets
+        until the engine reports its own (`set_engine_info`)."""
         self.model_name = model_name
         self.prefix = prefix
+        self.vllm_names = vllm_names
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, str | None], float] = {}
         self._gauges: dict[str, float] = {}
+        self._cache_info: dict[str, str] | None = None
+        self._buckets: dict[str, tuple[float, ...]] = {}
         # name -> (per-bucket counts with a final +Inf slot, [sum, count])
         self._histograms: dict[str, tuple[list[int], list[float]]] = {}
         for name, spec in SPECS.items():
@@ -87,7 +126,21 @@ class Metrics:
                 for label_value in spec.label_values or (None,):
                     self._counters[(name, label_value)] = 0.0
             elif spec.kind == "histogram":
-                self._histograms[name] = ([0] * (len(spec.buckets) + 1), [0.0, 0])
+                self._reset_histogram(name, token_buckets(max_model_len) if spec.token_counts else spec.buckets)
+
+    def _reset_histogram(self, name: str, buckets: tuple[float, ...]) -> None:
+        self._buckets[name] = buckets
+        self._histograms[name] = ([0] * (len(buckets) + 1), [0.0, 0])
+
+    def set_engine_info(self, max_model_len: int, block_size: int | None, num_blocks: int | None) -> None:
+        """What the engine reports when ready: token-count buckets up to its max_model_len (as vLLM sizes them;
+        re-bucketed only while still empty) and the cache_config_info labels."""
+        with self._lock:
+            for name, spec in SPECS.items():
+                if spec.token_counts and self._histograms[name][1][1] == 0:
+                    self._reset_histogram(name, token_buckets(max_model_len))
+            if block_size is not None and num_blocks is not None:
+                self._cache_info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks)}
 
     @staticmethod
     def _spec(name: str, kind: str) -> MetricSpec:
@@ -129,9 +182,9 @@ class Metrics:
 
     def observe_many(self, name: str, values: Iterable[float]) -> None:
         """Several observations under one lock: the frontend records a whole step's latencies at once."""
-        spec = self._spec(name, "histogram")
-        buckets = spec.buckets
+        self._spec(name, "histogram")
         with self._lock:
+            buckets = self._buckets[name]
             counts, total = self._histograms[name]
             for value in values:
                 # bisect_left: a value equal to a bound belongs in that bound's bucket (le = less or equal)
@@ -153,11 +206,15 @@ class Metrics:
                          timestamp: float) -> str:
         """vLLM's lora_requests_info gauge: the adapters with running and with waiting requests as labels
         (comma-separated), the value the time of this reading, as routers that balance by adapter read it."""
-        full = self.prefix + "lora_requests_info"
         labels = (f'max_lora="{max_lora}",running_lora_adapters="{_label_value(",".join(running))}",'
                   f'waiting_lora_adapters="{_label_value(",".join(waiting))}"')
-        return (f"# HELP {full} Running stats on lora requests.\n# TYPE {full} gauge\n"
-                f"{full}{{{labels}}} {_number(timestamp)}\n")
+        return "".join(f"# HELP {prefix}lora_requests_info Running stats on lora requests.\n"
+                       f"# TYPE {prefix}lora_requests_info gauge\n"
+                       f"{prefix}lora_requests_info{{{labels}}} {_number(timestamp)}\n"
+                       for prefix in self._prefixes())
+
+    def _prefixes(self) -> tuple[str, ...]:
+        return (self.prefix, "vllm:") if self.vllm_names else (self.prefix,)
 
     def render(self, gauges: Mapping[str, float] | None = None) -> str:
         """The /metrics page. `gauges` overrides stored gauge values for this rendering."""
@@ -167,25 +224,41 @@ class Metrics:
         lines: list[str] = []
         with self._lock:
             gauge_values = {**self._gauges, **(gauges or {})}
-            for name, spec in SPECS.items():
-                full = self.prefix + name
-                lines.append(f"# HELP {full} {spec.help}")
-                lines.append(f"# TYPE {full} {spec.kind}")
-                if spec.kind == "counter":
-                    rows = sorted((lv, v) for (n, lv), v in self._counters.items() if n == name)
-                    for label_value, value in rows:
-                        labels = model if label_value is None else \
-                            f'{model},{spec.label}="{_label_value(label_value)}"'
-                        lines.append(f"{full}{{{labels}}} {_number(value)}")
-                elif spec.kind == "gauge":
-                    lines.append(f"{full}{{{model}}} {_number(gauge_values.get(name, 0.0))}")
-                else:
-                    counts, (total, count) = self._histograms[name]
-                    running = 0
-                    for bound, bucket_count in zip((*spec.buckets, math.inf), counts):
-                        running += bucket_count
-                        le = "+Inf" if math.isinf(bound) else repr(float(bound))  # "1.0", as client libraries write it
-                        lines.append(f'{full}_bucket{{{model},le="{le}"}} {running}')
-                    lines.append(f"{full}_sum{{{model}}} {_number(total)}")
-                    lines.append(f"{full}_count{{{model}}} {_number(count)}")
+            self._render(lines, self.prefix, model, gauge_values, vllm_only=False)
+            if self.vllm_names:
+                self._render(lines, "vllm:", f'{model},engine="{ENGINE_INDEX}"', gauge_values, vllm_only=True)
         return "\n".join(lines) + "\n"
+
+    def _render(self, lines: list[str], prefix: str, base: str, gauge_values: Mapping[str, float],
+                vllm_only: bool) -> None:
+        """One namespace: `base` is its labels on every sample (model_name, and vLLM's engine)."""
+        for name, spec in SPECS.items():
+            if vllm_only and not spec.vllm:
+                continue
+            full = prefix + name
+            lines.append(f"# HELP {full} {spec.help}")
+            lines.append(f"# TYPE {full} {spec.kind}")
+            if spec.kind == "counter":
+                rows = sorted((lv, v) for (n, lv), v in self._counters.items() if n == name)
+                for label_value, value in rows:
+                    labels = base if label_value is None else f'{base},{spec.label}="{_label_value(label_value)}"'
+                    lines.append(f"{full}{{{labels}}} {_number(value)}")
+            elif spec.kind == "gauge":
+                lines.append(f"{full}{{{base}}} {_number(gauge_values.get(name, 0.0))}")
+            else:
+                counts, (total, count) = self._histograms[name]
+                running = 0
+                for bound, bucket_count in zip((*self._buckets[name], math.inf), counts):
+                    running += bucket_count
+                    le = "+Inf" if math.isinf(bound) else repr(float(bound))  # "1.0", as client libraries write it
+                    lines.append(f'{full}_bucket{{{base},le="{le}"}} {running}')
+                lines.append(f"{full}_sum{{{base}}} {_number(total)}")
+                lines.append(f"{full}_count{{{base}}} {_number(count)}")
+        if self._cache_info is not None:
+            # vLLM's labels are the cache config's fields and engine, without model_name; rawserve's keep model_name
+            info = ",".join(f'{k}="{v}"' for k, v in self._cache_info.items())
+            labels = f'{info},engine="{ENGINE_INDEX}"' if vllm_only else f"{base},{info}"
+            full = prefix + CACHE_CONFIG_INFO
+            lines.append(f"# HELP {full} Information of the engine's KV cache configuration.")
+            lines.append(f"# TYPE {full} gauge")
+            lines.append(f"{full}{{{labels}}} 1")

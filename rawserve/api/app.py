@@ -88,7 +88,8 @@ class OpenAIServer:
         self.llm = AsyncLLM(CoreFactory(engine_config, server_config.log_level), self.tokenizer,
                             mode=server_config.engine_mode, max_pending=server_config.max_pending,
                             request_timeout_s=server_config.request_timeout_s,
-                            metrics=Metrics(self.model_name), model_name=self.model_name)
+                            metrics=Metrics(self.model_name, vllm_names=server_config.metrics_compat == "vllm"),
+                            model_name=self.model_name)
         self.http: HTTPServer | None = None
         self.context: ServingContext | None = None
         self.responses = ResponseStore(server_config.responses_store_max)

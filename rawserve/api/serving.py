@@ -177,6 +177,7 @@ class ServingContext:
             raise overloaded(error) from None
         streams: list[RequestStream] = []
         lora = self.lora_for(req)
+        self.llm.metrics.observe_many("request_params_n", [params.n] * len(prompts))  # per prompt, as vLLM's
         try:
             for i, ids in enumerate(prompts):
                 for j, child in enumerate(rules.samples(params)):

@@ -190,7 +190,7 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if rid in self._states:
             raise ValueError(f"request_id: {rid!r} is already in flight")
-        state = RequestState(rid, OutputProcessor(rid, self.tokenizer, params), time.monotonic())
+        state = RequestState(rid, OutputProcessor(rid, self.tokenizer, params), time.monotonic(), params.max_tokens)
         # Sent before registering: if the core is unreachable, nothing is left behind. Its outputs
         # reach this loop only after generate() returns, so none can miss the state.
         self._send([(MsgKind.ADD, AddRequest(rid, list(prompt_ids), params, priority, lora, features, cache_salt))])
@@ -239,9 +239,19 @@ class AsyncLLM:
         if state.timer is not None:
             state.timer.cancel()
             state.timer = None
+        metrics = self.metrics
         if reason in FINISH_REASONS:
-            self.metrics.inc("request_success_total", label_value=reason)
-        self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - state.arrival)
+            metrics.inc("request_success_total", label_value=reason)
+        metrics.observe("e2e_request_latency_seconds", time.monotonic() - state.arrival)
+        metrics.observe("request_prompt_tokens", state.num_prompt_tokens)
+        metrics.observe("request_generation_tokens", state.num_output_tokens)
+        if state.max_tokens is not None:
+            metrics.observe("request_params_max_tokens", state.max_tokens)
+        if state.first_token_at is not None and state.scheduled_at is not None:
+            # vLLM's phases: prefill from first scheduling to the first token, decode from there to the last
+            metrics.observe("request_prefill_time_seconds", max(0.0, state.first_token_at - state.scheduled_at))
+            metrics.observe("request_decode_time_seconds", state.last_token_at - state.first_token_at)
+            metrics.observe("request_inference_time_seconds", max(0.0, state.last_token_at - state.scheduled_at))
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
         if state.is_finished and state.pending is not None and state.pending.finished:
@@ -269,8 +279,11 @@ class AsyncLLM:
             elif kind == MsgKind.STATS:
                 self._on_stats(payload)
             elif kind == MsgKind.QUEUED:
-                for _rid, queue_time_s in payload:
+                for rid, queue_time_s in payload:
                     self.metrics.observe("request_queue_time_seconds", queue_time_s)
+                    state = self._states.get(rid)
+                    if state is not None:  # the core's queue time on this clock: arrival here + time queued there
+                        state.scheduled_at = state.arrival + queue_time_s
             elif kind == MsgKind.ERROR:
                 rid, message = payload
                 state = self._states.get(rid)
@@ -278,6 +291,9 @@ class AsyncLLM:
                     self._fail(state, ValueError(message))
             elif kind == MsgKind.READY:
                 self._info = payload
+                if payload.get("max_model_len"):
+                    self.metrics.set_engine_info(payload["max_model_len"], payload.get("block_size"),
+                                                 payload.get("num_blocks"))
                 if not self._ready.done():
                     self._ready.set_result(payload)
             elif kind == MsgKind.LORA_DONE:
@@ -322,6 +338,8 @@ class AsyncLLM:
             if state is None or state.is_finished:
                 continue  # aborted, timed out, or already ended by a stop string
             num_new = len(out.new_token_ids)
+            state.num_prompt_tokens = out.num_prompt_tokens
+            state.num_output_tokens += num_new
             if num_new:
                 if state.first_token_at is None:
                     state.first_token_at = now
@@ -352,3 +370,5 @@ class AsyncLLM:
             metrics.observe_many("inter_token_latency_seconds", itl)
         if num_generated:
             metrics.inc("generation_tokens_total", num_generated)
+        if num_prompt + num_generated:  # vLLM's iteration tokens: prompts that finished prefill plus new tokens
+            metrics.observe("iteration_tokens_total", num_prompt + num_generated)

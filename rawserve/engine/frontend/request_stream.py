@@ -15,14 +15,20 @@ class RequestState:
     """Frontend state of one request. Touched only on the event loop thread."""
 
     __slots__ = ("rid", "processor", "arrival", "first_token_at", "last_token_at", "timer", "pending",
-                 "_texts", "error", "waiter", "is_finished", "is_closed")
+                 "_texts", "error", "waiter", "is_finished", "is_closed", "max_tokens", "scheduled_at",
+                 "num_prompt_tokens", "num_output_tokens")
 
-    def __init__(self, rid: str, processor: OutputProcessor, arrival: float) -> None:
+    def __init__(self, rid: str, processor: OutputProcessor, arrival: float, max_tokens: int | None = None) -> None:
         self.rid = rid
         self.processor = processor
         self.arrival = arrival
         self.first_token_at: float | None = None
         self.last_token_at = arrival
+        # per-request metrics (vLLM's): the max_tokens asked, when the core first scheduled it, token counts
+        self.max_tokens = max_tokens
+        self.scheduled_at: float | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
         self.timer: asyncio.TimerHandle | None = None
         self.pending: TextOutput | None = None  # the one unread output, coalesced
         self._texts: list[str] = []  # its text parts, joined once when read (no quadratic +=)
