@@ -1,11 +1,12 @@
-"""Operational endpoints: /v1/models, /health, /metrics, /version, /tokenize, /detokenize, and vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter.
+"""Operational endpoints: /v1/models, /health (liveness), /ready (readiness), /metrics, /version, /tokenize,
+/detokenize, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
-/health and /metrics stay open without an API key (http/auth.py protects /v1/* only).
+/health, /ready and /metrics stay open without an API key (http/auth.py protects /v1/* only) and during a drain.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from rawserve import __version__
 from rawserve.api.chat import render_prompt
@@ -76,13 +77,26 @@ async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResp
     return TextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def health(ctx: ServingContext, is_draining) -> object:
+PROBE_PATHS = ("/health", "/ready", "/metrics")  # answered during a drain too
+
+
+async def health(ctx: ServingContext, request: Request) -> JSONResponse:
+    """Liveness: 503 only when the engine is dead (a restart would help); a drain is not a failure."""
+    if ctx.llm.is_dead:
+        raise APIError(503, f"The engine is dead: {ctx.llm.dead_reason}", code="engine_dead")
+    return JSONResponse({"status": "ok"})
+
+
+def ready(ctx: ServingContext, is_draining: Callable[[], bool]) -> Callable:
+    """Readiness: 200 only while new requests are welcome; 503 while the model loads, drains, or is dead."""
     async def handler(request: Request) -> JSONResponse:
         if ctx.llm.is_dead:
             raise APIError(503, f"The engine is dead: {ctx.llm.dead_reason}", code="engine_dead")
         if is_draining():
             raise APIError(503, "The server is shutting down.", code="draining")
-        return JSONResponse({"status": "ok"})
+        if ctx.llm.info is None:
+            raise APIError(503, "The model is loading.", code="loading")
+        return JSONResponse({"status": "ready"})
     return handler
 
 

@@ -46,7 +46,8 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
         ("POST", "/v1/load_lora_adapter", functools.partial(admin.load_lora_adapter, ctx)),
         ("POST", "/v1/unload_lora_adapter", functools.partial(admin.unload_lora_adapter, ctx)),
-        ("GET", "/health", admin.health(ctx, is_draining)),
+        ("GET", "/health", functools.partial(admin.health, ctx)),
+        ("GET", "/ready", admin.ready(ctx, is_draining)),
         ("GET", "/metrics", functools.partial(admin.metrics, ctx)),
         ("GET", "/version", functools.partial(admin.version, ctx)),
         ("POST", "/tokenize", functools.partial(admin.tokenize, ctx)),
@@ -110,7 +111,8 @@ class OpenAIServer:
         self.context = ctx
         self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
                                                                 self.server_config.log_requests),
-                               on_refusal=refusal_logger(self.server_config.log_requests))
+                               on_refusal=refusal_logger(self.server_config.log_requests),
+                               open_while_draining=admin.PROBE_PATHS)
         try:
             await self.http.start()
         except BaseException:

@@ -4,6 +4,7 @@ hold this instead of the server, so neither module imports the other. No sockets
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Callable
 
 from rawserve.errors import APIError
@@ -11,15 +12,23 @@ from rawserve.http.auth import APIKeyAuth
 from rawserve.http.messages import Request, RequestHead, Response, error_response
 from rawserve.http.routing import CORSPolicy, Handler, Router
 
+# How long a client refused by a drain should wait: by then a router or Service has moved it to another replica.
+DRAIN_RETRY_AFTER_S = 1
+
+
 class Dispatcher:
     """Admits requests for one server. `is_draining` is written by the server alone."""
 
-    __slots__ = ("router", "auth", "cors", "is_draining", "num_in_flight", "_on_drained", "_on_refusal")
+    __slots__ = ("router", "auth", "cors", "is_draining", "num_in_flight", "open_while_draining", "_on_drained",
+                 "_on_refusal")
 
     def __init__(self, router: Router, auth: APIKeyAuth, cors: CORSPolicy,
                  on_drained: Callable[[], None] | None = None,
-                 on_refusal: Callable[[Request, int], None] | None = None) -> None:
+                 on_refusal: Callable[[Request, int], None] | None = None,
+                 open_while_draining: Iterable[str] = ()) -> None:
+        """open_while_draining: paths still routed during a drain (probes, metrics); others get 503."""
         self.router = router
+        self.open_while_draining = frozenset(open_while_draining)
         self.auth = auth
         self.cors = cors
         self.is_draining = False
@@ -39,8 +48,9 @@ class Dispatcher:
         if head.origin is not None and cors.is_enabled:
             cors_lines = cors.response_headers(head.origin)
         try:
-            if self.is_draining:
-                raise APIError(503, "The server is shutting down.", code="server_shutting_down")
+            if self.is_draining and head.path not in self.open_while_draining:
+                raise APIError(503, "The server is shutting down.", code="server_shutting_down",
+                               headers=[(b"retry-after", b"%d" % DRAIN_RETRY_AFTER_S)])
             requested_method = head.headers.get("access-control-request-method") if cors.is_enabled else None
             if cors.is_preflight(head.method, head.origin, requested_method):
                 # The preflight answer carries its own CORS lines.

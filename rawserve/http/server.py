@@ -1,5 +1,5 @@
 """The listener: accepts sockets (up to the connection cap), owns the connection tasks, and shuts
-down gracefully on SIGTERM/SIGINT (a second signal stops at once).
+down gracefully on SIGTERM/SIGINT (a second signal stops at once) within `drain_timeout_s`.
 
 Knows nothing of routes' meaning; the API layer hands it a Router and may watch `is_draining`.
 Connections get a Dispatcher (dispatch.py), never the server itself.
@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import ssl
+from collections.abc import Iterable
 from typing import Callable
 
 import orjson
@@ -28,6 +29,7 @@ logger = logging.getLogger("rawserve.http")
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _STREAM_LIMIT = 256 * 1024  # StreamReader pauses the socket past twice this
 _CLOSE_WAIT_S = 2.0  # after the drain, how long stopped connections get to unwind
+_STOP_RESERVE_S = 1.0  # of drain_timeout_s, kept for cancelling the rest and stopping the engine
 # One timer for all connections' deadlines, instead of TimerHandles per request; timeouts are
 # then accurate to this much.
 TICK_S = 0.02
@@ -45,21 +47,25 @@ class HTTPServer:
     """Serve `router` on `config.host:config.port`.
 
     `await start()` binds (port 0 picks a free port; see `.port`), `await serve_until_shutdown()`
-    runs until a signal or `shutdown()`, and `shutdown()` drains: no new connections, 503 for new
-    requests on open ones, in-flight requests get `drain_timeout_s` to finish, then the rest are
-    cancelled.
+    runs until a signal or `shutdown()`, and `shutdown()` drains: new requests get 503 with Retry-After
+    (the listener stays open, so a client or router is told rather than refused, and probes still
+    answer), in-flight requests finish, and whatever is left when `drain_timeout_s` is nearly spent is
+    cancelled, so that the whole shutdown fits in it.
     """
 
     def __init__(self, config: ServerConfig, router: Router,
-                 on_refusal: Callable[[Request, int], None] | None = None) -> None:
+                 on_refusal: Callable[[Request, int], None] | None = None,
+                 open_while_draining: Iterable[str] = ()) -> None:
         """on_refusal(request, status): told of each request refused before a handler (503 while draining,
-        401, 404, 405), e.g. for an access log."""
+        401, 404, 405), e.g. for an access log. open_while_draining: paths still served during a drain
+        (health and readiness probes, /metrics)."""
         self.config = config
         self.router = router
         self.auth = APIKeyAuth(config.api_key)
         self.cors = CORSPolicy(config.allowed_origins)
         self.port: int | None = None
-        self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained, on_refusal)
+        self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained, on_refusal,
+                                      open_while_draining)
         self._listener: asyncio.base_events.Server | None = None
         self._connections: dict[Connection, asyncio.Task] = {}  # each with the task that serves it
         self._drain_callbacks: list[Callable[[], None]] = []
@@ -143,6 +149,7 @@ class HTTPServer:
 
     def _force(self, status: int) -> None:
         self._begin_drain()
+        self._close_listener()
         for connection in list(self._connections):
             connection.stop(SHUTDOWN)
         if self._shutdown_task is not None:
@@ -154,8 +161,6 @@ class HTTPServer:
         if self._dispatcher.is_draining:
             return
         self._dispatcher.is_draining = True
-        if self._listener is not None:
-            self._listener.close()  # stop accepting; open connections stay
         for callback in self._drain_callbacks:
             try:
                 callback()
@@ -170,13 +175,20 @@ class HTTPServer:
         assert self._drained is not None and self._stopped is not None
         if self.num_in_flight == 0:
             self._drained.set()
+        # Part of the budget is kept for cancelling what is left and stopping the engine after it.
+        timeout = self.config.drain_timeout_s
         try:
-            await asyncio.wait_for(self._drained.wait(), self.config.drain_timeout_s)
+            await asyncio.wait_for(self._drained.wait(), timeout - min(_STOP_RESERVE_S, timeout / 4))
         except asyncio.TimeoutError:
             logger.warning("drain timeout: cancelling %d in-flight request(s)", self.num_in_flight)
+        self._close_listener()
         await self._stop_connections()
         if not self._stopped.done():
             self._stopped.set_result(0)
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
 
     async def _stop_connections(self) -> None:
         tasks = []
@@ -202,7 +214,7 @@ class HTTPServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       protocol: StreamProtocol) -> None:
-        if self._dispatcher.is_draining or len(self._connections) >= self.config.max_connections:
+        if len(self._connections) >= self.config.max_connections:
             await _refuse(reader, writer)
             return
         sock = writer.get_extra_info("socket")

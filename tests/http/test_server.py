@@ -74,9 +74,11 @@ async def test_graceful_shutdown_503s_new_requests_and_lets_in_flight_finish():
         assert server.is_draining and drained == [True]
         reply = await idle.request("GET", "/fast")  # a new request on an open connection
         assert reply.status == 503 and reply.headers["connection"] == "close"
+        assert reply.headers["retry-after"] == "1"
         assert reply.json()["error"]["code"] == "server_shutting_down"
-        with pytest.raises(OSError):  # no longer accepting
-            await asyncio.open_connection("127.0.0.1", server.port)
+        async with client(server.port) as late:  # a new connection is still accepted, and told to go elsewhere
+            reply = await late.request("GET", "/fast")
+            assert reply.status == 503 and reply.headers["retry-after"] == "1"
         reply = await busy.read_reply()  # the in-flight one finishes normally
         assert reply.status == 200 and reply.json() == {"slept": True}
         assert reply.headers["connection"] == "close"
@@ -94,7 +96,7 @@ async def test_drain_timeout_cancels_requests_still_in_flight():
         await started.wait()
         began = time.monotonic()
         await server.shutdown()
-        assert 0.15 < time.monotonic() - began < 1.5
+        assert 0.1 < time.monotonic() - began < 0.5  # the whole shutdown fits in drain_timeout_s, give or take the box
         assert cancelled == ["/slow"]
         assert await busy.is_closed()
 
@@ -117,8 +119,8 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero():
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"draining\n"
             assert (await idle.request("GET", "/fast")).status == 503
-            with pytest.raises(OSError):
-                await asyncio.open_connection("127.0.0.1", port)
+            async with client(port) as late:
+                assert (await late.request("GET", "/fast")).status == 503
             reply = await busy.read_reply()
             assert reply.status == 200 and reply.json() == {"slept": True}
         assert await asyncio.wait_for(proc.wait(), 5) == 0
