@@ -134,3 +134,26 @@ def test_concurrent_observations_are_all_counted():
         t.join()
     assert m.histogram_count("e2e_request_latency_seconds") == 8000
     assert m.counter_value("generation_tokens_total") == 8000
+
+
+def test_token_buckets_follow_vllms_1_2_5_series_up_to_max_model_len():
+    from rawserve.metrics import token_buckets
+
+    assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert token_buckets(4096) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+
+def test_engine_info_rebuckets_empty_token_histograms_and_adds_cache_config_info():
+    m = Metrics("m", vllm_names=True)
+    m.observe("request_generation_tokens", 7)  # already observed: its buckets stay
+    m.set_engine_info(100, block_size=16, num_blocks=64)
+    got = samples(m.render())
+    bounds = {n: sorted(float(dict(labels)["le"]) for (name, labels) in got if name == n + "_bucket")
+              for n in ("rawserve:request_prompt_tokens", "rawserve:request_generation_tokens")}
+    assert bounds["rawserve:request_prompt_tokens"] == [1, 2, 5, 10, 20, 50, 100, math.inf]
+    # still the default max_model_len's (8192) buckets
+    assert bounds["rawserve:request_generation_tokens"] == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000,
+                                                            math.inf]
+    assert got[("rawserve:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "64")))] == 1
+    assert got[("vllm:cache_config_info", (("block_size", "16"), ("engine", "0"), ("num_gpu_blocks", "64")))] == 1
+    assert got[("vllm:request_generation_tokens_sum", (("engine", "0"),))] == 7
