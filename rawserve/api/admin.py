@@ -1,5 +1,5 @@
 """Operational endpoints: /v1/models, /health (liveness), /ready (readiness), /metrics, /version, /tokenize,
-/detokenize, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
+/detokenize, /tokenizer_info, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 /health, /ready and /metrics stay open without an API key (http/auth.py protects /v1/* only) and during a drain.
 """
@@ -106,6 +106,15 @@ async def metrics(ctx: ServingContext, request: Request) -> TextResponse:
 
 async def version(ctx: ServingContext, request: Request) -> JSONResponse:
     return JSONResponse({"version": __version__})
+
+
+async def tokenizer_info(ctx: ServingContext, request: Request) -> JSONResponse:
+    """vLLM's GET /tokenizer_info: what a client needs to tokenize as the server does (lm-evaluation-harness's
+    tokenizer_backend=remote reads it, then uses /tokenize and /detokenize)."""
+    tok = ctx.tokenizer
+    return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                         "eos_token": tok.eos_token, "model_max_length": ctx.max_model_len,
+                         "vocab_size": tok.vocab_size, "chat_template": ctx.chat_template})
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:

@@ -52,6 +52,7 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/version", functools.partial(admin.version, ctx)),
         ("POST", "/tokenize", functools.partial(admin.tokenize, ctx)),
         ("POST", "/detokenize", functools.partial(admin.detokenize, ctx)),
+        ("GET", "/tokenizer_info", functools.partial(admin.tokenizer_info, ctx)),
     ]
     for method, path, handler in routes:
         router.add(method, path, logged(handler, log_requests))  # the access line; errors are logged either way

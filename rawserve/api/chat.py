@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rawserve.api.guided import ToolForcing, request_spec, think_mode
 from rawserve.api.protocol import ChatMessage, ChatRequest
 from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
-                                  wants_usage_chunk)
+                                  request_deadline, wants_continuous_usage, wants_usage_chunk)
 from rawserve.engine.frontend.async_llm import RequestStream
 from rawserve.engine.frontend.output_processor import TextOutput
 from rawserve.errors import APIError
@@ -29,6 +29,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Typed messages -> the plain dicts chat templates expect (text parts joined, arguments as objects)."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m.role, str) or not m.role:
+            raise APIError(400, "A message's role must be a non-empty string.", param=f"messages.{i}.role")
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -121,12 +123,20 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = await start_chat(ctx, req, rid)
+    run = await start_chat(ctx, req, rid, timeout_s=request_deadline(ctx, request))
     base = {"id": rid, "created": int(time.time()), "model": ctx.response_model(req)}
     if req.stream:
         return SSEResponse(_chunks(ctx, req, run.streams, run.parsers, base, run.tally, run.decide))
     return JSONResponse(await _response(ctx, req, run.streams, run.parsers, base, run.tally, run.decide,
                                         run.forced))
+
+
+def echoed_content(req: ChatRequest) -> str:
+    """vLLM's chat echo: the reply starts with the last message's content when that message is the assistant's
+    (a reply being continued); otherwise nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    return message_dicts(req.messages[-1:])[0].get("content") or ""
 
 
 @dataclass(slots=True)
@@ -139,9 +149,10 @@ class ChatRun:
     decide: Callable  # finish_reason(out, parser), bound to this request's tool_choice
 
 
-async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str) -> ChatRun:
+async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, timeout_s: float | None = None) -> ChatRun:
     """Template, tools, structured output, tokens, sampling params and admission: every refusal is an
-    APIError raised here, before a response header. Errors name chat's fields (messages, max_tokens)."""
+    APIError raised here, before a response header. Errors name chat's fields (messages, max_tokens).
+    `timeout_s`: the request's own deadline (X-Request-Timeout)."""
     check_logprobs(req.top_logprobs, "top_logprobs")
     text, use_tools = render_prompt(ctx, req)
     forced = tool_forcing(ctx, req)
@@ -152,7 +163,7 @@ async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str) -> ChatRun
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided)
-    streams = ctx.start_streams([ids], params, rid, req)
+    streams = ctx.start_streams([ids], params, rid, req, timeout_s=timeout_s)
     opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
                             starts_in_reasoning=opened) for _ in streams]
@@ -175,6 +186,7 @@ def finish_reason(out: TextOutput, parser: OutputParser | None, *, forced: ToolF
 async def _response(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
                     tally: UsageTally, decide: Callable, forced: ToolForcing | None) -> dict:
     """The whole (non-streamed) response: a fold over the same chunks a stream sends."""
+    echo = echoed_content(req)
     messages = [{"role": "assistant", "content": ""} for _ in streams]
     entries: list[list] = [[] for _ in streams]
     finish: list[tuple] = [(None, None)] * len(streams)
@@ -189,6 +201,7 @@ async def _response(ctx: ServingContext, req: ChatRequest, streams: list, parser
     for k, message in enumerate(messages):
         if forced is not None and finish[k][0] == "length":  # a forced call cut short is no call
             message["tool_calls"] = []
+        message["content"] = echo + message["content"]
         if message.get("tool_calls") is not None and not message["content"]:
             message["content"] = None
         choices.append({"index": k, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, entries[k])
@@ -212,18 +225,28 @@ def _accumulate(message: dict, delta: dict) -> None:
 async def _chunks(ctx: ServingContext, req: ChatRequest, streams: list, parsers: list[OutputParser], base: dict,
                   tally: UsageTally, decide: Callable) -> AsyncIterator[dict]:
     base = {**base, "object": "chat.completion.chunk"}
+    continuous = wants_continuous_usage(req)
+
+    def event(choice: dict) -> dict:
+        if continuous:  # vLLM's continuous_usage_stats: the counts so far on every chunk
+            return {**base, "choices": [choice], "usage": tally.usage(running=True)}
+        return {**base, "choices": [choice]}
+
+    echo = echoed_content(req)
     for k in range(len(streams)):
-        yield {**base, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None}]}
+        yield event({"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None})
+        if echo:
+            yield event({"index": k, "delta": {"content": echo}, "logprobs": None, "finish_reason": None})
     # After the 200 went out, an engine failure (an APIError from choice_chunks) becomes an SSE error event.
     async for chunk in choice_chunks(streams, tally, parsers, decide):
         k, out = chunk.index, chunk.out
         lp = chat_logprobs(ctx.tokenizer, out.logprobs) if req.logprobs and out.logprobs else None
         for delta in chunk.deltas or ([{}] if lp else []):
-            yield {**base, "choices": [{"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+            yield event({"index": k, "delta": delta, "logprobs": lp, "finish_reason": None})
             lp = None
         if out.finished:
-            yield {**base, "choices": [{"index": k, "delta": {}, "logprobs": None,
-                                        "finish_reason": chunk.finish_reason, "stop_reason": out.stop_reason}]}
+            yield event({"index": k, "delta": {}, "logprobs": None, "finish_reason": chunk.finish_reason,
+                         "stop_reason": out.stop_reason})
     if wants_usage_chunk(req):
         yield {**base, "choices": [], "usage": tally.usage()}

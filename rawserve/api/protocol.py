@@ -97,7 +97,8 @@ class ToolCall:
 
 @dataclass(slots=True)
 class ChatMessage:
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # system, developer, user, assistant, tool, function, or any role the template knows (vLLM passes them on)
+    role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

@@ -145,7 +145,8 @@ def input_items(value: str | list[dict] | None) -> list[dict]:
 
 def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessage]:
     """Items -> chat messages: function calls join the assistant turn before them, a reasoning item becomes
-    the next assistant turn's reasoning_content, developer is the template's system role."""
+    the next assistant turn's reasoning_content; developer goes to the renderer, which makes it the system role
+    when the template does not know it."""
     messages = [ChatMessage("system", instructions)] if instructions else []
     reasoning: str | None = None
     for item in items:
@@ -154,7 +155,7 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
             parts = item.get("content") or item.get("summary") or []
             reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
         elif kind == "message":
-            role = "system" if item["role"] == "developer" else item["role"]
+            role = item["role"]
             messages.append(ChatMessage(role, _text_of(item["content"], "input")))
             if role == "assistant":
                 messages[-1].reasoning_content, reasoning = reasoning, None

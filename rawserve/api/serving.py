@@ -7,6 +7,7 @@ engine's (SamplingParams.validate, engine/rules.py); this layer translates their
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from rawserve.engine.frontend.async_llm import AsyncLLM, RequestStream, TextOutp
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from rawserve.errors import APIError, EngineDead, Overloaded
+from rawserve.http import Request
 from rawserve.text.defaults import GenerationDefaults
 from rawserve.text.parsers import OutputParser
 from rawserve.text.stop import normalize_stop
@@ -94,13 +96,20 @@ class ServingContext:
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, default_max_tokens: int | None,
                         prompt_param: str, *, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None, guided: CompiledGrammar | None = None) -> SamplingParams:
-        """Request fields -> SamplingParams with the checkpoint's defaults; a 400 naming the field if bad."""
+                        prompt_logprobs: int | None = None, guided: CompiledGrammar | None = None,
+                        scoring: bool = False) -> SamplingParams:
+        """Request fields -> SamplingParams with the checkpoint's defaults; a 400 naming the field if bad.
+
+        max_tokens 0 (the prompt is computed, nothing sampled) is allowed only where `scoring` says the caller
+        has a use for it (completions with echo)."""
         if prompt_len > rules.max_prompt_tokens(self.max_model_len):
             raise self.context_exceeded(prompt_len, prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
         if max_tokens is None:
             max_tokens = rules.default_max_tokens(prompt_len, self.max_model_len)
+        if max_tokens == 0 and not scoring:
+            raise APIError(400, "max_tokens: must be >= 1, got 0 (0 is a scoring request: /v1/completions with "
+                                "echo).", param="max_tokens")
         if isinstance(max_tokens, int) and max_tokens >= 1:  # else SamplingParams names max_tokens below
             try:
                 rules.check_context(prompt_len, max_tokens, self.max_model_len)
@@ -163,8 +172,9 @@ class ServingContext:
             raise APIError(400, str(error), param=param) from None
 
     def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
-                      req: SamplingFields) -> list[RequestStream]:
-        """One engine request per (prompt, sample); choice index = prompt * n + sample.
+                      req: SamplingFields, timeout_s: float | None = None) -> list[RequestStream]:
+        """One engine request per (prompt, sample); choice index = prompt * n + sample. `timeout_s` is the
+        request's own deadline (X-Request-Timeout), None for the server's.
 
         Admission is all-or-nothing: a refusal part-way aborts the streams already started.
         """
@@ -182,7 +192,7 @@ class ServingContext:
             for i, ids in enumerate(prompts):
                 for j, child in enumerate(rules.samples(params)):
                     streams.append(self.llm.generate(ids, child, f"{rid}-{i}-{j}", req.priority,
-                                                     cache_salt=req.cache_salt, lora=lora))
+                                                     cache_salt=req.cache_salt, lora=lora, timeout_s=timeout_s))
         except (Overloaded, EngineDead) as error:
             for stream in streams:
                 self.llm.abort(stream.request_id)
@@ -192,6 +202,25 @@ class ServingContext:
                 self.llm.abort(stream.request_id)
             raise APIError(400, str(error)) from None
         return streams
+
+
+REQUEST_TIMEOUT_HEADER = "x-request-timeout"
+
+
+def request_deadline(ctx: ServingContext, request: Request) -> float | None:
+    """X-Request-Timeout (seconds, a float) as this request's deadline, capped by --request-timeout-s; None when
+    absent. At the deadline the client gets what was generated so far with finish_reason "length"."""
+    value = request.headers.get(REQUEST_TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        timeout_s = math.nan
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise APIError(400, f"X-Request-Timeout must be a positive number of seconds, got {value!r}.",
+                       param="X-Request-Timeout")
+    return min(timeout_s, ctx.llm.request_timeout_s)
 
 
 def model_not_found(name: str, param: str = "model") -> APIError:
@@ -211,8 +240,6 @@ def stream_error(error: BaseException) -> APIError:
         return error
     if isinstance(error, (EngineDead, Overloaded)):
         return overloaded(error)
-    if isinstance(error, TimeoutError):
-        return APIError(408, "The request exceeded the server's request timeout.", code="timeout")
     if isinstance(error, ValueError):
         return APIError(400, str(error))
     return APIError(500, "The engine failed while generating.", code="internal_error")
@@ -299,18 +326,22 @@ class UsageTally:
     (later samples of one prompt may hit blocks an earlier one just computed).
     """
 
-    __slots__ = ("_prompt_lens", "_n", "_cached", "completion_tokens")
+    __slots__ = ("_prompt_lens", "_n", "_cached", "completion_tokens", "_running")
 
     def __init__(self, prompt_lens: list[int], n: int) -> None:
         self._prompt_lens = prompt_lens
         self._n = n
         self._cached: list[int | None] = [None] * len(prompt_lens)
         self.completion_tokens = 0
+        self._running: dict[int, int] = {}  # choice -> tokens so far, while it is unfinished
 
     def add(self, k: int, out: TextOutput) -> None:
-        """Count choice k's output if it is the final one."""
+        """Count choice k's output: its tokens so far, and its final count once it ends."""
         if not out.finished:
+            if out.num_output_tokens:
+                self._running[k] = out.num_output_tokens
             return
+        self._running.pop(k, None)
         self.completion_tokens += out.num_output_tokens
         i = k // self._n
         seen = self._cached[i]
@@ -320,15 +351,23 @@ class UsageTally:
     def num_prompt_tokens(self) -> int:
         return sum(self._prompt_lens)
 
-    def usage(self) -> dict:
+    def usage(self, running: bool = False) -> dict:
+        """OpenAI's usage object; `running` also counts unfinished choices' tokens so far (vLLM's
+        continuous_usage_stats)."""
         prompt_tokens = sum(self._prompt_lens)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt_tokens + self.completion_tokens,
+        completion_tokens = self.completion_tokens + (sum(self._running.values()) if running else 0)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(c or 0 for c in self._cached)}}
 
 
 def wants_usage_chunk(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
+
+
+def wants_continuous_usage(req: SamplingFields) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage (tokens so far) on every chunk of a stream."""
+    return req.stream_options is not None and req.stream_options.continuous_usage_stats
 
 
 def check_logprobs(value: int | None, param: str) -> None:
@@ -354,13 +393,25 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict:
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], text_offset: int) -> dict:
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob], text_offset: int,
+                        num_top: int) -> dict:
+    """OpenAI's legacy logprobs: tokens, token_logprobs, top_logprobs and text_offset, one item per entry.
+
+    Each top_logprobs item holds the num_top most likely tokens plus the token itself (so logprobs 0 still
+    reports it), as OpenAI and vLLM do. An entry whose logprob is None (an echoed prompt's first token, which
+    nothing predicts) reports null for both.
+    """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, logprob, _rank, top in entries:
         text, _ = token_text(tokenizer, token_id)
         tokens.append(text)
         token_logprobs.append(logprob)
-        top_logprobs.append({token_text(tokenizer, i)[0]: lp for i, lp in top})
+        if logprob is None:
+            top_logprobs.append(None)
+        else:
+            tops = {token_text(tokenizer, i)[0]: lp for i, lp in top[:num_top]}
+            tops.setdefault(text, logprob)
+            top_logprobs.append(tops)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

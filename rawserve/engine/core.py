@@ -175,8 +175,9 @@ class EngineCore:
         # since a rule broken here would corrupt shared state (a TypeError inside step() is fatal).
         check_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         total = len(prompt_ids) + params.max_tokens
-        # The last sampled token is never fed back, so the KV holds at most total - 1 tokens.
-        needed = self.blocks.blocks_for(total - 1)
+        # The last sampled token is never fed back, so the KV holds at most total - 1 tokens (and at least the
+        # prompt, which a scoring request with max_tokens 0 computes whole).
+        needed = self.blocks.blocks_for(max(total - 1, len(prompt_ids)))
         if needed > self.blocks.num_blocks:
             raise ValueError(f"max_tokens: at full length ({total} tokens) the request needs {needed} KV blocks "
                              f"of {self.block_size} tokens; the pool holds only {self.blocks.num_blocks}")
@@ -244,12 +245,24 @@ class EngineCore:
         self._commit_forward(plan)
         if plan.prompt_spans:
             self._collect_prompt_logprobs(logits, plan.prompt_spans)
+        scored = [self._finish_scored(req) for req in plan.scored_reqs] if plan.scored_reqs else []
         reqs = plan.sample_reqs
         if not reqs:
-            return []
+            return scored
         logits = self._process_logits(plan, logits)  # [len(reqs), V], row i for reqs[i]
         sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
-        return self._update(reqs, sampled.token_ids, sampled.logprobs)
+        return scored + self._update(reqs, sampled.token_ids, sampled.logprobs)
+
+    def _finish_scored(self, req: Request) -> RequestOutput:
+        """A max_tokens 0 request whose prompt is now computed: it ends at "length" with no token sampled."""
+        del self.requests[req.rid]
+        self.scheduler.finish(req, "length")
+        self.sampler.release(req)
+        if req.lora is not None:
+            self._request_done(req)
+        return RequestOutput(req.rid, [], finished=True, finish_reason="length", prompt_logprobs=req.prompt_logprobs,
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=0,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def _commit_forward(self, plan: StepPlan) -> None:
         """The forward wrote the KV of every scheduled token: count them computed, and publish the blocks they

@@ -66,9 +66,12 @@ class StepPlan:
     - otherwise, a chunk that reaches the end of its tokens (a decode, or a prompt's last chunk): one row, its
       last token's, sampled;
     - otherwise (a prompt chunk that does not finish it): no row.
+
+    A request with max_tokens 0 (scoring: prompt logprobs only) never samples: the chunk that finishes its prompt
+    puts it in `scored_reqs` instead, and its last row (if any) only predicts a token nobody asked for.
     """
 
-    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans")
+    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans", "scored_reqs")
 
     def __init__(self, scheduled: list[tuple[Request, int]]) -> None:
         self.scheduled = scheduled  # the scheduler's choice, in batch order
@@ -77,6 +80,7 @@ class StepPlan:
         self.sample_reqs: list[Request] = []  # requests that get a token this step, in logits-row order
         self.sample_rows: list[int] = []  # their logits rows
         self.prompt_spans: list[PromptSpan] = []
+        self.scored_reqs: list[Request] = []  # prompts finished this step that sample nothing (max_tokens 0)
         sample_reqs = self.sample_reqs
         sample_rows = self.sample_rows
         offset = 0  # flattened index of this sequence's first token
@@ -85,14 +89,17 @@ class StepPlan:
             end = start + num_new
             token_ids = req.token_ids
             seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot))
+            is_scoring = req.params.max_tokens == 0
+            if is_scoring and end == len(token_ids):
+                self.scored_reqs.append(req)
             if not req.prompt_logprobs_done:
                 first_row = len(logit_indices)
                 logit_indices.extend(range(offset, offset + num_new))
                 self.prompt_spans.append(PromptSpan(req, first_row, start, num_new))
-                if end == len(token_ids):
+                if end == len(token_ids) and not is_scoring:
                     sample_reqs.append(req)
                     sample_rows.append(first_row + num_new - 1)
-            elif end == len(token_ids):
+            elif end == len(token_ids) and not is_scoring:
                 sample_reqs.append(req)
                 sample_rows.append(len(logit_indices))
                 logit_indices.append(offset + num_new - 1)

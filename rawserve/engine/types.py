@@ -67,8 +67,9 @@ class SamplingParams:
                 bad(name, f"must be an integer, got {value!r}")
         if self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")
-        if self.max_tokens < 1:
-            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            # 0 is a scoring request: the prompt is computed (with its prompt_logprobs) and nothing is sampled
+            bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
         if not self.temperature >= 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -227,8 +227,23 @@ class TextResponse(Response):
         super().__init__(text.encode("utf-8"), status, headers, content_type)
 
 
+# What a client may retry: the openai SDK retries 408, 409, 429 and every 5xx unless `x-should-retry` says
+# otherwise. Our 500s are deterministic (the same request fails the same way), so only these are worth a retry.
+RETRYABLE_STATUSES = frozenset({408, 409, 429, 502, 503, 504})
+# 429 and 503 always say when to come back; an error that knows better (a token bucket's refill) sets its own.
+DEFAULT_RETRY_AFTER_S = 1
+
+
 def error_response(error: APIError) -> Response:
-    return Response(orjson.dumps(error.to_dict()), error.status, error.headers, "application/json")
+    """Every error the server answers, in OpenAI's shape: `x-should-retry: false` on what a retry cannot fix,
+    `retry-after` on 429 and 503."""
+    headers = list(error.headers)
+    names = {name.lower() for name, _ in headers}
+    if error.status not in RETRYABLE_STATUSES and b"x-should-retry" not in names:
+        headers.append((b"x-should-retry", b"false"))
+    if error.status in (429, 503) and b"retry-after" not in names:
+        headers.append((b"retry-after", b"%d" % DEFAULT_RETRY_AFTER_S))
+    return Response(orjson.dumps(error.to_dict()), error.status, headers, "application/json")
 
 
 _NO_BODY = (204, 304)

@@ -198,7 +198,24 @@ def _plain(value: Any, where: str) -> Any:
     raise ChatTemplateError(f"{where}: unsupported value of type {type(value).__name__}")
 
 
-def _prepare_messages(messages: Any) -> list[dict]:
+@functools.lru_cache(maxsize=32)
+def knows_role(template: str, role: str) -> bool:
+    """Whether a template names `role` as a string literal: the test for a role it may handle itself."""
+    return f'"{role}"' in template or f"'{role}'" in template
+
+
+def _role(role: Any, template: str) -> Any:
+    """OpenAI's newer and older role names as templates know them: developer is the system role unless the
+    template handles it itself; function (the legacy tool result) is tool. Any other role goes to the template
+    unchanged (vLLM's behaviour): the template decides."""
+    if role == "developer" and not knows_role(template, "developer"):
+        return "system"
+    if role == "function":
+        return "tool"
+    return role
+
+
+def _prepare_messages(messages: Any, template: str) -> list[dict]:
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError("messages must be a list of objects")
     prepared = []
@@ -208,6 +225,8 @@ def _prepare_messages(messages: Any) -> list[dict]:
         # As HF's apply_chat_template: a None field is dropped (templates test presence, and OpenAI
         # clients send content=None beside tool_calls), and reasoning is offered under every name.
         message = {k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None}
+        if "role" in message:
+            message["role"] = _role(message["role"], template)
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -229,7 +248,8 @@ def render_chat(
 
     kwargs become template variables (bos_token, eos_token, chat_template_kwargs such as
     enable_thinking). `now` pins strftime_now (tests); the output is capped at max_rendered_chars.
-    Any failure, including the template's raise_exception, is a ChatTemplateError (a ValueError).
+    Any failure, including the template's raise_exception, is a ChatTemplateError (a ValueError). Roles are
+    mapped first: developer to system unless the template knows it, function to tool.
     """
     compiled = compile_template(template)
     clash = RESERVED_NAMES.intersection(kwargs)
@@ -240,7 +260,7 @@ def render_chat(
     context = {
         "documents": None,
         **_plain(kwargs, "chat_template_kwargs"),
-        "messages": _prepare_messages(messages),
+        "messages": _prepare_messages(messages, template),
         "tools": _plain(tools, "tools") if tools is not None else None,
         "add_generation_prompt": bool(add_generation_prompt),
         "strftime_now": lambda fmt: (now or datetime.datetime.now()).strftime(fmt),

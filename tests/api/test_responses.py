@@ -344,7 +344,7 @@ def test_items_become_chat_messages_with_calls_joined_and_reasoning_carried():
                          {"type": "function_call_output", "call_id": "c2",
                           "output": [{"type": "input_text", "text": "two"}]}])
     messages = chat_messages("sys", items)
-    assert [(m.role, m.content) for m in messages] == [("system", "sys"), ("system", "rules"), ("user", "q"),
+    assert [(m.role, m.content) for m in messages] == [("system", "sys"), ("developer", "rules"), ("user", "q"),
                                                        ("assistant", None), ("tool", "one"), ("tool", "two")]
     assert [c.id for c in messages[3].tool_calls] == ["c1", "c2"] and messages[3].reasoning_content == "hmm"
     assert isinstance(messages[0], ChatMessage)

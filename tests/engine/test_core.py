@@ -288,6 +288,21 @@ def test_logprobs_and_prompt_logprobs_match_the_model_even_when_chunked(tiny_qwe
         assert value == pytest.approx(row[token].item(), abs=1e-4)
 
 
+def test_max_tokens_0_scores_the_prompt_samples_nothing_and_frees_its_blocks(tiny_qwen3_dir):
+    ids = prompt(13, seed=4)
+    core = make_core(tiny_qwen3_dir, max_num_batched_tokens=5)  # the prompt spans three chunks
+    tokens, final, _ = run(core, [("score", ids, greedy(0, prompt_logprobs=1)), ("plain", ids, greedy(0)),
+                                  ("gen", prompt(6, 1), greedy(4, ignore_eos=True))])
+    assert tokens["score"] == tokens["plain"] == [] and len(tokens["gen"]) == 4
+    for rid in ("score", "plain"):
+        assert final[rid].finish_reason == "length" and final[rid].num_output_tokens == 0
+    assert final["plain"].prompt_logprobs is None
+    _, reference, _ = run(core, [("ref", ids, greedy(1, prompt_logprobs=1))])
+    assert final["score"].prompt_logprobs == reference["ref"].prompt_logprobs
+    assert len(final["score"].prompt_logprobs) == 13
+    assert_no_leak(core)
+
+
 def test_prompt_logprobs_skip_the_prefix_cache_but_still_publish(tiny_qwen3_dir):
     ids = prompt(3 * BLOCK + 1, seed=12)
     core = make_core(tiny_qwen3_dir)
@@ -344,7 +359,7 @@ def test_request_needing_more_blocks_than_the_pool_is_rejected(tiny_qwen3_dir):
 
 def test_sampling_params_validation_names_the_field():
     for kwargs, field in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(n=0), "n"),
-                          (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+                          (dict(max_tokens=-1), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
                           (dict(logprobs=21), "logprobs")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             SamplingParams(**kwargs)

@@ -10,7 +10,7 @@ from rawserve.engine.types import SamplingParams
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"max_tokens": -1}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),

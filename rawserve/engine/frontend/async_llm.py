@@ -167,14 +167,15 @@ class AsyncLLM:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                  priority: int = 0, *, cache_salt: str | None = None, lora: str | None = None,
-                 features: object | None = None) -> RequestStream:
+                 features: object | None = None, timeout_s: float | None = None) -> RequestStream:
         """Submit one request and return its stream of TextOutputs (an async iterator).
 
         Admission happens here, synchronously, so a refusal comes before any response header:
         EngineDead (engine failed), Overloaded (draining, or max_pending in flight), ValueError (n != 1,
         a duplicate id, bad stop strings). Leaving the stream early, aclose(), or cancelling the
         consumer aborts the request in the core. A request the core rejects raises ValueError from
-        the stream; one past request_timeout_s raises TimeoutError.
+        the stream. At its deadline (`timeout_s`, at most request_timeout_s) the request is aborted in the core
+        and its stream ends with what it generated so far and finish_reason "length".
         """
         loop = self._loop
         if loop is None or self._ready is None or not self._ready.done():
@@ -194,7 +195,8 @@ class AsyncLLM:
         # Sent before registering: if the core is unreachable, nothing is left behind. Its outputs
         # reach this loop only after generate() returns, so none can miss the state.
         self._send([(MsgKind.ADD, AddRequest(rid, list(prompt_ids), params, priority, lora, features, cache_salt))])
-        state.timer = loop.call_later(self.request_timeout_s, self._on_timeout, state)
+        deadline_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        state.timer = loop.call_later(deadline_s, self._on_timeout, state)
         self._states[rid] = state
         return RequestStream(state, self._release, loop)
 
@@ -266,9 +268,12 @@ class AsyncLLM:
         state.timer = None
         if state.is_finished:
             return
+        # Not an error: a client told "length" keeps what it got, and retrying (as it would a 408) costs a whole
+        # generation again.
         self._send([(MsgKind.ABORT, state.rid)])
-        self._finish(state, "abort")
-        state.fail(TimeoutError(f"request {state.rid} exceeded request_timeout_s={self.request_timeout_s}"))
+        out = state.processor.cut()
+        state.deliver(out)
+        self._finish(state, out.finish_reason)
 
     # ----- messages from the core (event loop thread; CoreClient's pump posts them)
 

@@ -73,6 +73,24 @@ class OutputProcessor:
                           out.prompt_logprobs, out.num_prompt_tokens, out.num_output_tokens,
                           out.num_cached_tokens), abort
 
+    def cut(self) -> TextOutput:
+        """The last TextOutput of a request ended at its deadline: finish_reason "length", as if max_tokens had
+        been reached there. The text held back (an incomplete character, a stop string's possible start) goes
+        out too, since nothing more will come to settle it."""
+        last = self._last
+        text, reason, stop_reason = "", "length", None
+        if self._detok is not None:
+            stop = self._stop
+            text = stop.add(self._detok.flush())
+            if stop.stopped is not None:
+                reason, stop_reason = "stop", stop.stopped
+            else:
+                text += stop.finish()
+        if last is None:
+            return TextOutput(self.rid, text, [], True, reason, stop_reason)
+        return TextOutput(self.rid, text, [], True, reason, stop_reason, num_prompt_tokens=last.num_prompt_tokens,
+                          num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens)
+
     def aborted(self) -> TextOutput:
         """The last TextOutput of a request stopped from outside (abort(), a client that left)."""
         last = self._last
