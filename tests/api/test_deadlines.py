@@ -7,29 +7,18 @@ import json
 
 import pytest
 
-from rawserve.config import EngineConfig, ServerConfig
-from tests.api.test_openai_server import ServerThread, raw, wait_idle
+from tests.api.demo_server import MODEL, serve_demo
+from tests.api.test_openai_server import raw, wait_idle
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-MODEL = "demo"
 LONG = {"prompt": "Once upon a time", "max_tokens": 3500, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def demo_dir():
-    from rawserve.demo_model import ensure_demo_model
-
-    return ensure_demo_model()
-
-
-@pytest.fixture(scope="module")
-def server(demo_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(demo_dir), device="cpu", num_kv_blocks=300, max_model_len=4096),
-                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", request_timeout_s=30))
-    yield srv
-    srv.stop()
+def server():
+    yield from serve_demo(dict(num_kv_blocks=300, max_model_len=4096), dict(request_timeout_s=30))
 
 
 def request(server, path: str, body: dict, headers: str = "") -> tuple[int, bytes, bytes]:

@@ -8,13 +8,12 @@ import os
 
 import pytest
 
-from rawserve.config import EngineConfig, ServerConfig
-from tests.api.test_openai_server import ServerThread, wait_idle
+from tests.api.demo_server import MODEL, demo_dir, serve_demo
+from tests.api.test_openai_server import wait_idle
 
 torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")
 
-MODEL = "demo"
 MC_DOCS = [
     {"question": "The dragon flew over the", "choices": ["castle", "sea", "little village"], "answer": 0},
     {"question": "Once upon a time there was a", "choices": ["princess", "tiny mouse", "king"], "answer": 1},
@@ -53,19 +52,8 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def demo_dir():
-    from rawserve.demo_model import ensure_demo_model
-
-    return ensure_demo_model()
-
-
-@pytest.fixture(scope="module")
-def server(demo_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(demo_dir), device="cpu", dtype="float32", num_kv_blocks=128,
-                                    max_model_len=512),
-                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread"))
-    yield srv
-    srv.stop()
+def server():
+    yield from serve_demo(dict(num_kv_blocks=128, max_model_len=512))
 
 
 def write_tasks(directory) -> None:
@@ -75,7 +63,7 @@ def write_tasks(directory) -> None:
         (directory / f"{name}.yaml").write_text(template.format(path=data))
 
 
-def test_lm_eval_harness_loglikelihoods_equal_transformers(server, demo_dir, tmp_path, monkeypatch):
+def test_lm_eval_harness_loglikelihoods_equal_transformers(server, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
@@ -93,10 +81,11 @@ def test_lm_eval_harness_loglikelihoods_equal_transformers(server, demo_dir, tmp
                     "num_concurrent": 1, "max_retries": 1, "tokenized_requests": True})
     samples = results["samples"]
 
-    encoder = tokenizers.Tokenizer.from_file(os.path.join(demo_dir, "tokenizer.json"))
-    tok = Tokenizer.from_dir(demo_dir)
+    directory = demo_dir()
+    encoder = tokenizers.Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    tok = Tokenizer.from_dir(directory)
     prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
-    model = load_hf_model(demo_dir)
+    model = load_hf_model(directory)
 
     def encode(text: str) -> list[int]:
         return encoder.encode(text, add_special_tokens=False).ids

@@ -7,38 +7,26 @@ import json
 
 import pytest
 
-from rawserve.config import EngineConfig, ServerConfig
-from tests.api.test_openai_server import ServerThread, raw, wait_idle
+from tests.api.demo_server import MODEL, demo_dir, serve_demo
+from tests.api.test_openai_server import raw, wait_idle
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
-MODEL = "demo"
 PROMPT = "Once upon a time, a dragon"
 
 
 @pytest.fixture(scope="module")
-def demo_dir():
-    from rawserve.demo_model import ensure_demo_model
-
-    return ensure_demo_model()
+def server():
+    yield from serve_demo(dict(num_kv_blocks=128, max_model_len=512))
 
 
 @pytest.fixture(scope="module")
-def server(demo_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(demo_dir), device="cpu", dtype="float32", num_kv_blocks=128,
-                                    max_model_len=512),
-                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(demo_dir):
+def reference():
     """transformers' log-softmax rows for a list of ids: row i is the distribution of token i + 1."""
     from tests.checkpoints import load_hf_model
 
-    model = load_hf_model(demo_dir)
+    model = load_hf_model(demo_dir())
 
     def rows(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
