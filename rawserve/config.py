@@ -137,6 +137,16 @@ class ServerConfig:
         "help": "Model id clients send and see. Default: the checkpoint directory's name."})
     api_key: list[str] = field(default_factory=list, metadata={
         "help": "Accepted bearer key for /v1/*; repeat the flag for several. None: no auth."})
+    api_key_file: str | None = field(default=None, metadata={
+        "help": "File of accepted bearer keys, one 'key' or 'key:tpm' per line (blank lines and # comments "
+                "skipped); tpm overrides --rate-limit-tpm for that key. Adds to --api-key."})
+    rate_limit_tpm: int | None = field(default=None, metadata={
+        "help": "Tokens per minute each API key may spend (prompt + max_tokens at admission, the unused part "
+                "refunded when the request ends); a token bucket refilled continuously. None: unlimited."})
+    per_key_cache_salt: bool = field(default=True, metadata={
+        "help": "Give each API key its own prefix-cache salt, so one tenant cannot time another's prompts "
+                "through cache hits (a request's cache_salt is combined with it). --no-per-key-cache-salt shares "
+                "the cache across keys."})
     allowed_origins: list[str] = field(default_factory=list, metadata={
         "help": "CORS origins allowed (repeatable; '*' for any). None: CORS off."})
     keep_alive_s: float = field(default=5.0, metadata={"help": "Idle time before a keep-alive connection closes."})
@@ -192,6 +202,10 @@ class ServerConfig:
                      "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")
+        _check(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm",
+               f"must be >= 1, got {self.rate_limit_tpm}")
+        _check(self.api_key_file is None or os.path.isfile(self.api_key_file), "api_key_file",
+               f"no such file {self.api_key_file!r}")
         _check(self.responses_store_max >= 0, "responses_store_max", f"must be >= 0, got {self.responses_store_max}")
         for name in ("max_header_bytes", "max_body_bytes", "max_connections", "max_pending"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
@@ -208,6 +222,25 @@ class ServerConfig:
     @property
     def scheme(self) -> str:
         return "http" if self.ssl_certfile is None else "https"
+
+    def api_keys(self) -> dict[str, int | None]:
+        """Every accepted key (--api-key, then --api-key-file) with its tokens-per-minute limit (None: none)."""
+        keys: dict[str, int | None] = {key: self.rate_limit_tpm for key in self.api_key}
+        if self.api_key_file is None:
+            return keys
+        with open(self.api_key_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for number, line in enumerate(lines, start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, tpm = line.rpartition(":")
+            if not sep or not tpm.isdigit():  # no limit given (a key may hold ':' itself)
+                key, tpm = line, None
+            _check(bool(key) and key == key.strip(), "api_key_file", f"line {number}: empty key")
+            _check(tpm is None or int(tpm) >= 1, "api_key_file", f"line {number}: tpm must be >= 1")
+            keys[key] = int(tpm) if tpm is not None else self.rate_limit_tpm
+        return keys
 
 
 def _scalar_type(tp: typing.Any) -> typing.Any:

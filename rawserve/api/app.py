@@ -15,6 +15,7 @@ from rawserve.api import admin
 from rawserve.api.access_log import logged, refusal_logger
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
+from rawserve.api.rate_limit import RateLimiter
 from rawserve.api.response_store import ResponseStore
 from rawserve.api.responses import create_response, delete_response, list_input_items, retrieve_response
 from rawserve.api.serving import ServingContext
@@ -34,6 +35,7 @@ log = logging.getLogger("rawserve")
 
 def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: ResponseStore,
                  log_requests: bool = True) -> Router:
+    """Every route with its access line; routes under /v1 also carry a limited key's x-ratelimit-* headers."""
     router = Router()
     routes = [
         ("POST", "/v1/completions", functools.partial(create_completion, ctx)),
@@ -55,6 +57,8 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/tokenizer_info", functools.partial(admin.tokenizer_info, ctx)),
     ]
     for method, path, handler in routes:
+        if ctx.limiter is not None and ctx.limiter.is_enabled and path.startswith("/v1/"):
+            handler = ctx.limiter.with_headers(handler)
         router.add(method, path, logged(handler, log_requests))  # the access line; errors are logged either way
     return router
 
@@ -83,6 +87,9 @@ class OpenAIServer:
         self.model_name = server_config.served_model_name or model_dir.resolve().name
         if self.model_name in engine_config.lora_paths():
             raise ValueError(f"--lora-modules: adapter name {self.model_name!r} is the served model's name")
+        self.api_keys = server_config.api_keys()  # --api-key and --api-key-file, each with its tokens per minute
+        # Without keys, --rate-limit-tpm is one bucket everyone shares.
+        self.limiter = RateLimiter(self.api_keys if self.api_keys else {None: server_config.rate_limit_tpm})
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
         self.defaults = generation_defaults(model_dir, self.tokenizer, server_config.generation_config)
@@ -108,9 +115,12 @@ class OpenAIServer:
         ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
                              self.server_config.reasoning_parser, self.server_config.tool_call_parser,
-                             loras=dict(info.get("loras") or {}))
+                             loras=dict(info.get("loras") or {}), limiter=self.limiter,
+                             per_key_cache_salt=self.server_config.per_key_cache_salt)
         self.context = ctx
-        self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
+        # The HTTP layer checks every accepted key, the file's included.
+        http_config = dataclasses.replace(self.server_config, api_key=list(self.api_keys))
+        self.http = HTTPServer(http_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
                                                                 self.server_config.log_requests),
                                on_refusal=refusal_logger(self.server_config.log_requests),
                                open_while_draining=admin.PROBE_PATHS)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from rawserve.api.guided import ToolForcing, request_spec, think_mode
 from rawserve.api.protocol import ChatMessage, ChatRequest
-from rawserve.api.serving import (ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
-                                  request_deadline, wants_continuous_usage, wants_usage_chunk)
+from rawserve.api.serving import (Caller, ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
+                                  wants_continuous_usage, wants_usage_chunk)
 from rawserve.engine.frontend.async_llm import RequestStream
 from rawserve.engine.frontend.output_processor import TextOutput
 from rawserve.errors import APIError
@@ -123,7 +123,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> JSONR
     if req.max_completion_tokens is not None:
         req.max_tokens = req.max_completion_tokens
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = await start_chat(ctx, req, rid, timeout_s=request_deadline(ctx, request))
+    run = await start_chat(ctx, req, rid, ctx.caller(request))
     base = {"id": rid, "created": int(time.time()), "model": ctx.response_model(req)}
     if req.stream:
         return SSEResponse(_chunks(ctx, req, run.streams, run.parsers, base, run.tally, run.decide))
@@ -149,10 +149,10 @@ class ChatRun:
     decide: Callable  # finish_reason(out, parser), bound to this request's tool_choice
 
 
-async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, timeout_s: float | None = None) -> ChatRun:
+async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, caller: Caller) -> ChatRun:
     """Template, tools, structured output, tokens, sampling params and admission: every refusal is an
     APIError raised here, before a response header. Errors name chat's fields (messages, max_tokens).
-    `timeout_s`: the request's own deadline (X-Request-Timeout)."""
+    `caller`: the request's key (token bucket, cache salt) and its own deadline."""
     check_logprobs(req.top_logprobs, "top_logprobs")
     text, use_tools = render_prompt(ctx, req)
     forced = tool_forcing(ctx, req)
@@ -163,12 +163,12 @@ async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, timeout_s:
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided)
-    streams = ctx.start_streams([ids], params, rid, req, timeout_s=timeout_s)
+    streams = ctx.start_streams([ids], params, rid, req, caller)
     opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
                             starts_in_reasoning=opened) for _ in streams]
     decide = functools.partial(finish_reason, forced=forced, named=isinstance(req.tool_choice, dict))
-    return ChatRun(streams, parsers, UsageTally([len(ids)], params.n), forced, decide)
+    return ChatRun(streams, parsers, UsageTally([len(ids)], params.n, caller.reservation), forced, decide)
 
 
 def finish_reason(out: TextOutput, parser: OutputParser | None, *, forced: ToolForcing | None = None,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from rawserve.api.guided import request_spec
 from rawserve.api.protocol import CompletionRequest
 from rawserve.api.serving import (ServingContext, UsageTally, check_logprobs, choice_chunks, completion_logprobs,
-                                  request_deadline, wants_continuous_usage, wants_usage_chunk)
+                                  wants_continuous_usage, wants_usage_chunk)
 from rawserve.engine.types import TokenLogprob
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
@@ -53,7 +53,7 @@ class Echo:
 async def create_completion(ctx: ServingContext, request: Request) -> JSONResponse | SSEResponse:
     req = parse(CompletionRequest, request.json())
     ctx.check_model(req.model)
-    timeout_s = request_deadline(ctx, request)
+    caller = ctx.caller(request)
     if req.suffix:
         raise APIError(400, "suffix is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -68,21 +68,15 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
     echo_logprobs = req.echo and req.logprobs is not None
     # One prompt_logprobs run serves both uses: echoed logprobs (top `logprobs`) and prompt_logprobs (its own top).
     wanted = [v for v in (req.logprobs if echo_logprobs else None, req.prompt_logprobs) if v is not None]
+    # Each prompt's context is checked on its own; the params are the same for all (max_tokens has a fixed default).
     params = [ctx.sampling_params(req, len(p), DEFAULT_MAX_TOKENS, "prompt", logprobs=req.logprobs,
                                   prompt_logprobs=max(wanted) if wanted else None, guided=guided, scoring=req.echo)
-              for p in prompts]
+              for p in prompts][0]
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = []
-    try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            streams += ctx.start_streams([ids], p, f"{rid}-{i}", req, timeout_s=timeout_s)
-    except APIError:
-        for stream in streams:
-            await stream.aclose()
-        raise
-    n = params[0].n
+    streams = ctx.start_streams(prompts, params, rid, req, caller)
+    n = params.n
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.response_model(req)}
-    tally = UsageTally([len(p) for p in prompts], n)
+    tally = UsageTally([len(p) for p in prompts], n, caller.reservation)
     echo = Echo([""] * len(streams), [prompts[k // n] for k in range(len(streams))], echo_logprobs)
     if req.echo:
         decoded = [text if text is not None else await ctx.decode(ids) for text, ids in zip(texts, prompts)]

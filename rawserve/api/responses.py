@@ -456,7 +456,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     rid = _new_id("resp")
     try:
         chat = chat_request(req, chat_messages(req.instructions, history + items))
-        run = await start_chat(ctx, chat, rid)
+        run = await start_chat(ctx, chat, rid, ctx.caller(request))
     except APIError as error:
         raise _renamed(error) from None
     response = ResponseRun(ctx, store, req, rid, items, previous, request.api_key, run)

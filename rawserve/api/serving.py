@@ -7,6 +7,7 @@ engine's (SamplingParams.validate, engine/rules.py); this layer translates their
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from rawserve.api import access_log
 from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
+from rawserve.api.rate_limit import RateLimiter, Reservation
 from rawserve.engine import rules
 from rawserve.engine.frontend.async_llm import AsyncLLM, RequestStream, TextOutput
 from rawserve.engine.guided.nfa import CompiledGrammar
@@ -49,6 +51,20 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     grammars: GrammarCache = None  # type: ignore[assignment]  # built from the tokenizer when not given
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters requests may select: name -> directory
+    limiter: RateLimiter | None = None  # per-key token buckets (--rate-limit-tpm); None: unlimited
+    per_key_cache_salt: bool = True  # each API key's prefix-cache blocks are its own
+
+    def caller(self, request: Request) -> Caller:
+        """Who sent `request`, as admission needs it: its API key and its own deadline (a 400 if malformed)."""
+        return Caller(request.api_key, request_deadline(self, request))
+
+    def cache_salt(self, api_key: str | None, salt: str | None) -> str | None:
+        """A request's prefix-cache salt: its own cache_salt combined with its key's, so tenants never share
+        blocks (nor learn from hit timings what another one sent)."""
+        if api_key is None or not self.per_key_cache_salt:
+            return salt
+        tenant = "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]  # the core never sees the key itself
+        return tenant if salt is None else f"{tenant}|{salt}"
 
     def __post_init__(self) -> None:
         if self.grammars is None:
@@ -172,12 +188,14 @@ class ServingContext:
             raise APIError(400, str(error), param=param) from None
 
     def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
-                      req: SamplingFields, timeout_s: float | None = None) -> list[RequestStream]:
-        """One engine request per (prompt, sample); choice index = prompt * n + sample. `timeout_s` is the
-        request's own deadline (X-Request-Timeout), None for the server's.
+                      req: SamplingFields, caller: Caller | None = None) -> list[RequestStream]:
+        """One engine request per (prompt, sample); choice index = prompt * n + sample. `caller` brings the
+        request's own deadline and its key (its token bucket and prefix-cache salt).
 
-        Admission is all-or-nothing: a refusal part-way aborts the streams already started.
+        Admission is all-or-nothing: a refusal part-way aborts the streams already started and refunds the
+        tokens charged. A request admitted holds them in `caller.reservation` until its response settles it.
         """
+        caller = caller if caller is not None else Caller()
         record = access_log.current()
         if record is not None and record.rid is None:
             record.rid = rid
@@ -185,23 +203,36 @@ class ServingContext:
             self.llm.check_capacity(len(prompts) * params.n)
         except Overloaded as error:
             raise overloaded(error) from None
-        streams: list[RequestStream] = []
         lora = self.lora_for(req)
+        if self.limiter is not None:
+            caller.reservation = self.limiter.reserve(caller.api_key, sum(map(len, prompts)),
+                                                      len(prompts) * params.n * params.max_tokens)
         self.llm.metrics.observe_many("request_params_n", [params.n] * len(prompts))  # per prompt, as vLLM's
+        salt = self.cache_salt(caller.api_key, req.cache_salt)
+        streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
                 for j, child in enumerate(rules.samples(params)):
                     streams.append(self.llm.generate(ids, child, f"{rid}-{i}-{j}", req.priority,
-                                                     cache_salt=req.cache_salt, lora=lora, timeout_s=timeout_s))
-        except (Overloaded, EngineDead) as error:
+                                                     cache_salt=salt, lora=lora, timeout_s=caller.timeout_s))
+        except (Overloaded, EngineDead, ValueError) as error:
             for stream in streams:
                 self.llm.abort(stream.request_id)
+            if caller.reservation is not None:
+                caller.reservation.cancel()
+            if isinstance(error, ValueError):
+                raise APIError(400, str(error)) from None
             raise overloaded(error) from None
-        except ValueError as error:
-            for stream in streams:
-                self.llm.abort(stream.request_id)
-            raise APIError(400, str(error)) from None
         return streams
+
+
+@dataclass(slots=True)
+class Caller:
+    """Who sent a request: the API key that passed auth (None without auth), its own deadline (X-Request-Timeout;
+    None: the server's), and, once admitted, the tokens it holds in its key's bucket."""
+    api_key: str | None = None
+    timeout_s: float | None = None
+    reservation: Reservation | None = None
 
 
 REQUEST_TIMEOUT_HEADER = "x-request-timeout"
@@ -316,6 +347,8 @@ async def choice_chunks(streams: list[RequestStream], tally: UsageTally, parsers
             yield ChoiceChunk(k, out, deltas, reason)
     except Exception as error:  # the engine's failure: a 4xx/5xx before the header, an SSE error event after
         raise stream_error(error) from None
+    finally:
+        tally.settle()
 
 
 class UsageTally:
@@ -326,11 +359,12 @@ class UsageTally:
     (later samples of one prompt may hit blocks an earlier one just computed).
     """
 
-    __slots__ = ("_prompt_lens", "_n", "_cached", "completion_tokens", "_running")
+    __slots__ = ("_prompt_lens", "_n", "_cached", "completion_tokens", "_running", "reservation")
 
-    def __init__(self, prompt_lens: list[int], n: int) -> None:
+    def __init__(self, prompt_lens: list[int], n: int, reservation: Reservation | None = None) -> None:
         self._prompt_lens = prompt_lens
         self._n = n
+        self.reservation = reservation  # the tokens the request holds in its key's bucket, settled at its end
         self._cached: list[int | None] = [None] * len(prompt_lens)
         self.completion_tokens = 0
         self._running: dict[int, int] = {}  # choice -> tokens so far, while it is unfinished
@@ -346,6 +380,12 @@ class UsageTally:
         i = k // self._n
         seen = self._cached[i]
         self._cached[i] = out.num_cached_tokens if seen is None else min(seen, out.num_cached_tokens)
+
+    def settle(self) -> None:
+        """The request ended (whole, cut short or failed): refund what its max_tokens reserved and it did not
+        generate."""
+        if self.reservation is not None:
+            self.reservation.settle(self.completion_tokens + sum(self._running.values()))
 
     @property
     def num_prompt_tokens(self) -> int:

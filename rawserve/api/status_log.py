@@ -82,7 +82,7 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
     return (f"serving {model_name!r} from {model_dir}: {architecture}, {format_count(num_params)} parameters, "
             f"dtype {info.get('dtype', engine_config.dtype)}, device {info.get('device', engine_config.device)}, "
             f"max_model_len {info.get('max_model_len', '?')}, KV cache {kv}{lora}, engine in a "
-            f"{server_config.engine_mode}, listening on {url}, API key {'on' if server_config.api_key else 'off'}")
+            f"{server_config.engine_mode}, listening on {url}, API key {'on' if server_config.api_key or server_config.api_key_file else 'off'}")
 
 
 class StatsLogger:
