@@ -1,7 +1,9 @@
 """A live server on the demo checkpoint for the API contract tests: the model on disk, then a ServerThread."""
 from __future__ import annotations
 
+import json
 import pathlib
+import socket
 from collections.abc import Iterator
 
 from rawserve.config import EngineConfig, ServerConfig
@@ -24,3 +26,17 @@ def serve_demo(engine: dict, server: dict | None = None) -> Iterator[ServerThrea
         yield srv
     finally:
         srv.stop()
+
+
+def exchange(server: ServerThread, path: str, body: dict, headers: str = "") -> tuple[int, dict[str, str], bytes]:
+    """POST `body` as JSON on a fresh connection -> (status, lowercased response headers, response body)."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.app.port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(payload)}\r\n{headers}"
+                     "connection: close\r\n\r\n".encode() + payload)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split()[1]), dict(line.lower().split(": ", 1) for line in lines[1:]), rest

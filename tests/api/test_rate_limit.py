@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 
 import pytest
 
 from rawserve.api.rate_limit import TokenBucket, duration
-from tests.api.demo_server import serve_demo
+from tests.api.demo_server import exchange, serve_demo
 from tests.api.test_openai_server import wait_idle
 
 PROMPT = "The dragon slept on a hill of gold. " * 20  # about 200 tokens: each request costs mostly prompt
@@ -27,17 +26,8 @@ def server(tmp_path_factory):
 
 def call(server, key: str, body: dict, path: str = "/v1/completions", headers: str = "") -> tuple[int, dict, bytes]:
     """-> (status, response headers, body) of one request with `key`."""
-    payload = json.dumps({"prompt": PROMPT, "max_tokens": 1, **body}).encode()
-    with socket.create_connection(("127.0.0.1", server.app.port), timeout=60) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n{headers}"
-                     f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n".encode() + payload)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    fields = dict(line.lower().split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), fields, rest
+    return exchange(server, path, {"prompt": PROMPT, "max_tokens": 1, **body},
+                    f"authorization: Bearer {key}\r\n{headers}")
 
 
 def test_a_burst_gets_429_with_a_retry_after_that_is_honoured_and_other_keys_are_unaffected(server):
