@@ -151,15 +151,21 @@ def _prompt_logprobs(ctx: ServingContext, entries: list | None, num_top: int | N
 
 async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list, base: dict, echo: Echo,
                   tally: UsageTally) -> AsyncIterator[dict]:
+    continuous = wants_continuous_usage(req)
+
+    def event(choice: dict) -> dict:
+        if continuous:  # vLLM's continuous_usage_stats: the counts so far on every chunk
+            return {**base, "choices": [choice], "usage": tally.usage(running=True)}
+        return {**base, "choices": [choice]}
+
     offsets = [len(e) for e in echo.texts]
     # An echoed prompt goes out at once, unless its logprobs must come with it: those arrive with the first output.
     pending_echo = list(echo.texts)
     if not echo.with_logprobs:
         for k, prefix in enumerate(echo.texts):
             if prefix:
-                yield {**base, "choices": [{"index": k, "text": prefix, "logprobs": None, "finish_reason": None}]}
+                yield event({"index": k, "text": prefix, "logprobs": None, "finish_reason": None})
         pending_echo = [""] * len(streams)
-    continuous = wants_continuous_usage(req)
     # After the 200 went out, an engine failure (an APIError from choice_chunks) becomes an SSE error event.
     async for chunk in choice_chunks(streams, tally):
         k, out = chunk.index, chunk.out
@@ -175,9 +181,6 @@ async def _chunks(ctx: ServingContext, req: CompletionRequest, streams: list, ba
                 choice["stop_reason"] = out.stop_reason
             if out.prompt_logprobs is not None and req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _prompt_logprobs(ctx, out.prompt_logprobs, req.prompt_logprobs)
-            event = {**base, "choices": [choice]}
-            if continuous:
-                event["usage"] = tally.usage(running=True)
-            yield event
+            yield event(choice)
     if wants_usage_chunk(req):
         yield {**base, "choices": [], "usage": tally.usage()}

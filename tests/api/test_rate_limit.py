@@ -108,3 +108,17 @@ def test_bucket_refills_continuously_and_reports_openai_durations():
     bucket.refund(30)
     assert dict(bucket.headers())[b"x-ratelimit-remaining-tokens"] == b"30"
     assert [duration(s) for s in (0.02, 1, 59.2, 360)] == ["20ms", "1s", "1m0s", "6m0s"]
+
+
+def test_api_key_file_lines_give_keys_and_their_limits(tmp_path):
+    from rawserve.config import ServerConfig
+
+    path = tmp_path / "keys"
+    path.write_text("# comment\n\nplain\nwith:limit:500\nsk-a:b\n")
+    config = ServerConfig(api_key=["flag"], api_key_file=str(path), rate_limit_tpm=1000)
+    assert config.api_keys() == {"flag": 1000, "plain": 1000, "with:limit": 500, "sk-a:b": 1000}
+    path.write_text("zero:0\n")
+    with pytest.raises(ValueError, match="--api-key-file: line 1: tpm must be >= 1"):
+        ServerConfig(api_key_file=str(path)).api_keys()
+    with pytest.raises(ValueError, match="--rate-limit-tpm: must be >= 1"):
+        ServerConfig(rate_limit_tpm=0)
