@@ -61,7 +61,11 @@ def duration(seconds: float) -> str:
 
 
 class Reservation:
-    """Tokens one request holds in its key's bucket: settled once, at its end, by refunding the unused part."""
+    """Tokens one request holds in its key's bucket: settled once, at its end, by refunding the unused part.
+
+    The response loop settles it (serving.choice_chunks). A response never started (its client gone before the
+    first byte) keeps its charge; the bucket refills it within the minute, as it would any spending.
+    """
 
     __slots__ = ("_bucket", "_prompt_tokens", "_completion_tokens", "_is_settled")
 
