@@ -148,7 +148,14 @@ class ServerConfig:
                 "dropped and its request aborted."})
     max_header_bytes: int = field(default=16384, metadata={"help": "Limit on request line + headers; 431 past it."})
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "Limit on a request body; 413 past it."})
-    max_connections: int = field(default=1024, metadata={"help": "Open connections at most; more are refused."})
+    max_connections: int = field(default=1024, metadata={
+        "help": "Open connections at most. At the cap a new connection closes the one idle longest (no request "
+                "in progress); only when every connection is busy is it refused with 503."})
+    max_connections_per_ip: int = field(default=0, metadata={
+        "help": "Open connections from one client address at most; more are refused with 503 (0: no limit)."})
+    first_byte_timeout_s: float = field(default=2.0, metadata={
+        "help": "Time a new connection has to send its first byte before it is closed (shorter than "
+                "--keep-alive-s: silent sockets must not hold connection slots)."})
     sse_ping_interval_s: float = field(default=15.0, metadata={
         "help": "Interval of ': ping' comments while a stream waits (0 disables)."})
     drain_timeout_s: float = field(default=30.0, metadata={
@@ -188,7 +195,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
+        _check(self.max_connections_per_ip >= 0, "max_connections_per_ip", "must be >= 0")
+        for name in ("keep_alive_s", "first_byte_timeout_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
                      "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")

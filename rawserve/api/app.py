@@ -22,7 +22,7 @@ from rawserve.api.status_log import StatsLogger, startup_summary
 from rawserve.config import EngineConfig, ServerConfig
 from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.launch import CoreFactory
-from rawserve.http import HTTPServer, Router
+from rawserve.http import HTTPServer, Router, bind_socket
 from rawserve.metrics import Metrics
 from rawserve.text.chat_template import load_chat_template
 from rawserve.text.defaults import GenerationDefaults
@@ -101,8 +101,14 @@ class OpenAIServer:
         return None if self.http is None else self.http.port
 
     async def start(self) -> None:
-        """Load the model (in the core) and bind; raises EngineDead if the core cannot start."""
-        await self.llm.start()
+        """Bind, then load the model (in the core) and serve; raises OSError at once if the port is taken,
+        EngineDead if the core cannot start."""
+        sock = bind_socket(self.server_config)  # before the model loads: a taken port fails in a moment
+        try:
+            await self.llm.start()
+        except BaseException:
+            sock.close()
+            raise
         info = self.llm.info or {}
         ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
@@ -114,7 +120,7 @@ class OpenAIServer:
                                on_refusal=refusal_logger(self.server_config.log_requests),
                                open_while_draining=admin.PROBE_PATHS)
         try:
-            await self.http.start()
+            await self.http.start(sock)
         except BaseException:
             await self.llm.stop(0)
             raise

@@ -53,6 +53,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> JSONRespon
     params = [ctx.sampling_params(req, len(p), DEFAULT_MAX_TOKENS, "prompt", logprobs=req.logprobs,
                                   prompt_logprobs=req.prompt_logprobs, guided=guided) for p in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
+    ctx.check_capacity(len(prompts), params[0].n)  # the whole batch, before any of it starts
     streams = []
     try:
         for i, (ids, p) in enumerate(zip(prompts, params)):

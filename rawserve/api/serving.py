@@ -162,6 +162,19 @@ class ServingContext:
         except rules.RuleError as error:
             raise APIError(400, str(error), param=param) from None
 
+    def check_capacity(self, num_prompts: int, n: int) -> None:
+        """Room for num_prompts x n engine requests: a 400 if they could never fit --max-pending (instead of
+        admitting some and aborting them), a 503 if they do not fit now."""
+        needed = num_prompts * n
+        if needed > self.llm.max_pending:
+            raise APIError(400, f"This request needs {needed} engine requests ({num_prompts} prompt(s) x n={n}); "
+                                f"the server runs at most {self.llm.max_pending} at once (--max-pending).",
+                           param="prompt" if num_prompts > 1 else "n")
+        try:
+            self.llm.check_capacity(needed)
+        except Overloaded as error:
+            raise overloaded(error) from None
+
     def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
                       req: SamplingFields) -> list[RequestStream]:
         """One engine request per (prompt, sample); choice index = prompt * n + sample.
@@ -171,10 +184,7 @@ class ServingContext:
         record = access_log.current()
         if record is not None and record.rid is None:
             record.rid = rid
-        try:
-            self.llm.check_capacity(len(prompts) * params.n)
-        except Overloaded as error:
-            raise overloaded(error) from None
+        self.check_capacity(len(prompts), params.n)
         streams: list[RequestStream] = []
         lora = self.lora_for(req)
         self.llm.metrics.observe_many("request_params_n", [params.n] * len(prompts))  # per prompt, as vLLM's

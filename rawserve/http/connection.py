@@ -31,6 +31,7 @@ TIMED_OUT = "request deadline"  # the protocol's: idle, header or body timeout
 WRITE_TIMEOUT = "write timeout"
 CLIENT_GONE = "client gone"
 SHUTDOWN = "server shutdown"
+EVICTED = "evicted"  # idle while the server was full: closed to make room for a new connection
 
 
 class Connection:
@@ -114,6 +115,19 @@ class Connection:
             self._stop_reason = reason
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+    @property
+    def idle_since(self) -> float:
+        """When this connection began waiting for a request head; NEVER while a request is in progress
+        (or once it is being stopped)."""
+        protocol = self._protocol
+        return protocol.idle_since if self._stop_reason is None and protocol.is_idle else NEVER
+
+    def evict(self) -> None:
+        """Close this idle connection at once, to make room (the server is at its cap)."""
+        if self._stop_reason is None:
+            self._expired = self._protocol.evict()
+            self.stop(EVICTED)
 
     def tick(self, now: float) -> None:
         """Called by the server every TICK_S: carry out a deadline that passed."""
