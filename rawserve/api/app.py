@@ -35,6 +35,7 @@ log = logging.getLogger("rawserve")
 def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: ResponseStore,
                  log_requests: bool = True) -> Router:
     router = Router()
+    health = functools.partial(admin.health, ctx)
     routes = [
         ("POST", "/v1/completions", functools.partial(create_completion, ctx)),
         ("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx)),
@@ -46,7 +47,8 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
         ("POST", "/v1/load_lora_adapter", functools.partial(admin.load_lora_adapter, ctx)),
         ("POST", "/v1/unload_lora_adapter", functools.partial(admin.unload_lora_adapter, ctx)),
-        ("GET", "/health", functools.partial(admin.health, ctx)),
+        ("GET", "/health", health),
+        ("HEAD", "/health", health),  # load balancers probe with HEAD too; the same answer, without the body
         ("GET", "/ready", admin.ready(ctx, is_draining)),
         ("GET", "/metrics", functools.partial(admin.metrics, ctx)),
         ("GET", "/version", functools.partial(admin.version, ctx)),
