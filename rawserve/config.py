@@ -136,7 +136,11 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "Model id clients send and see. Default: the checkpoint directory's name."})
     api_key: list[str] = field(default_factory=list, metadata={
-        "help": "Accepted bearer key for /v1/*; repeat the flag for several. None: no auth."})
+        "help": "Accepted bearer key for every path but /health, /ready and /metrics; repeat the flag for "
+                "several. None: no auth."})
+    open_paths: list[str] = field(default_factory=list, metadata={
+        "help": "More paths served without an API key (e.g. /tokenize /detokenize /version); several after one "
+                "flag, or the flag repeated.", "nargs": "+"})
     allowed_origins: list[str] = field(default_factory=list, metadata={
         "help": "CORS origins allowed (repeatable; '*' for any). None: CORS off."})
     keep_alive_s: float = field(default=5.0, metadata={"help": "Idle time before a keep-alive connection closes."})
@@ -195,6 +199,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _check(all(p.startswith("/") for p in self.open_paths), "open_paths", "each path starts with '/'")
         _check(self.max_connections_per_ip >= 0, "max_connections_per_ip", "must be >= 0")
         for name in ("keep_alive_s", "first_byte_timeout_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
                      "request_timeout_s"):

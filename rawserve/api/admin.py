@@ -116,9 +116,9 @@ async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     if req.messages is not None:
         chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
         text, _ = render_prompt(ctx, chat)
-        ids = await ctx.encode(text, add_special_tokens=False)
+        ids = await ctx.encode(text, add_special_tokens=False, max_tokens=ctx.max_model_len)
     else:
-        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=ctx.max_model_len)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from rawserve.api import admin
 from rawserve.api.access_log import logged, refusal_logger
+from rawserve.api.body_gate import BodyGate
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
 from rawserve.api.response_store import ResponseStore
@@ -55,7 +56,10 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("POST", "/tokenize", functools.partial(admin.tokenize, ctx)),
         ("POST", "/detokenize", functools.partial(admin.detokenize, ctx)),
     ]
+    gate = BodyGate()
     for method, path, handler in routes:
+        if method == "POST":  # a body of megabytes waits for one of a few slots before it is parsed
+            handler = gate.wrap(handler)
         router.add(method, path, logged(handler, log_requests))  # the access line; errors are logged either way
     return router
 

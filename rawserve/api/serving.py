@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from rawserve.api import access_log
+from rawserve.api import access_log, body_gate
 from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
 from rawserve.engine import rules
@@ -71,21 +71,28 @@ class ServingContext:
         """The model name a response reports: the adapter's that runs it (lora_for's choice), as vLLM does."""
         return self.lora_for(req) or self.model_name
 
-    async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None) -> list[int]:
-        """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its
-        field), one that leaves no room for a completion is refused without building its ids."""
-        limit = None if prompt_param is None else rules.max_prompt_tokens(self.max_model_len)
+    async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None, *,
+                     max_tokens: int | None = None) -> list[int]:
+        """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its field), one
+        that leaves no room for a completion is refused; otherwise one over `max_tokens` is. Either way a text
+        far over its limit is refused from its length, or a bounded count, before it is tokenized whole
+        (Tokenizer.encode): its memory is bounded by the limit, not by the body."""
+        limit = max_tokens if prompt_param is None else rules.max_prompt_tokens(self.max_model_len)
         try:
             if len(text) > RELEASE_GIL_AT:  # in a thread, so the loop keeps serving others
                 return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens, limit)
             return self.tokenizer.encode(text, add_special_tokens, limit)
         except TooManyTokens as too_many:
-            raise self.context_exceeded(too_many.num_tokens, prompt_param) from None
+            if prompt_param is None:
+                raise APIError(400, f"The text is {'at least ' if too_many.at_least else ''}{too_many.num_tokens} "
+                                    f"tokens; at most {limit} (the model's maximum context length) are tokenized.",
+                               param="prompt", code="context_length_exceeded") from None
+            raise self.context_exceeded(too_many.num_tokens, prompt_param, too_many.at_least) from None
 
-    def context_exceeded(self, prompt_len: int, prompt_param: str | None) -> APIError:
+    def context_exceeded(self, prompt_len: int, prompt_param: str | None, at_least: bool = False) -> APIError:
         return APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                             f"your prompt has {prompt_len} tokens, leaving no room for a completion.",
-                        param=prompt_param, code="context_length_exceeded")
+                             f"your prompt has {'at least ' if at_least else ''}{prompt_len} tokens, leaving no "
+                             "room for a completion.", param=prompt_param, code="context_length_exceeded")
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) > RELEASE_GIL_AT:
@@ -201,6 +208,7 @@ class ServingContext:
             for stream in streams:
                 self.llm.abort(stream.request_id)
             raise APIError(400, str(error)) from None
+        body_gate.release_early()  # the prompt is admitted: the next large body may be parsed
         return streams
 
 

@@ -68,7 +68,7 @@ class HTTPServer:
         (health and readiness probes, /metrics)."""
         self.config = config
         self.router = router
-        self.auth = APIKeyAuth(config.api_key)
+        self.auth = APIKeyAuth(config.api_key, config.open_paths)
         self.cors = CORSPolicy(config.allowed_origins)
         self.port: int | None = None
         self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained, on_refusal,
