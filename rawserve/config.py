@@ -168,6 +168,9 @@ class ServerConfig:
     engine_mode: str = field(default="process", metadata={
         "help": "Run the engine core in a spawned process or a thread.", "choices": ENGINE_MODES})
     max_pending: int = field(default=1024, metadata={"help": "Requests in flight at most; 503 past it."})
+    engine_stall_timeout_s: float = field(default=30.0, metadata={
+        "help": "/health answers 503 (engine_stalled) when requests are waiting and the engine core has sent "
+                "nothing, not even its heartbeat (every second), for this long; 200 again once it speaks."})
     request_timeout_s: float = field(default=600.0, metadata={"help": "Deadline of one request."})
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file overriding the checkpoint's."})
@@ -201,7 +204,7 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _check(all(p.startswith("/") for p in self.open_paths), "open_paths", "each path starts with '/'")
         _check(self.max_connections_per_ip >= 0, "max_connections_per_ip", "must be >= 0")
-        for name in ("keep_alive_s", "first_byte_timeout_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
+        for name in ("keep_alive_s", "first_byte_timeout_s", "engine_stall_timeout_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
                      "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")

@@ -80,11 +80,17 @@ async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResp
 PROBE_PATHS = ("/health", "/ready", "/metrics")  # answered during a drain too
 
 
-async def health(ctx: ServingContext, request: Request) -> JSONResponse:
-    """Liveness: 503 only when the engine is dead (a restart would help); a drain is not a failure."""
-    if ctx.llm.is_dead:
-        raise APIError(503, f"The engine is dead: {ctx.llm.dead_reason}", code="engine_dead")
-    return JSONResponse({"status": "ok"})
+def health(ctx: ServingContext, stall_timeout_s: float = 30.0) -> Callable:
+    """Liveness (GET and HEAD /health): 503 when the engine is dead, or frozen (requests wait and the core has
+    sent nothing, not even its heartbeat, for stall_timeout_s: AsyncLLM.stall_reason); a drain is not a failure."""
+    async def handler(request: Request) -> JSONResponse:
+        if ctx.llm.is_dead:
+            raise APIError(503, f"The engine is dead: {ctx.llm.dead_reason}", code="engine_dead")
+        stalled = ctx.llm.stall_reason(stall_timeout_s)
+        if stalled is not None:
+            raise APIError(503, f"The engine is not responding: {stalled}.", code="engine_stalled")
+        return JSONResponse({"status": "ok"})
+    return handler
 
 
 def ready(ctx: ServingContext, is_draining: Callable[[], bool]) -> Callable:

@@ -34,9 +34,9 @@ log = logging.getLogger("rawserve")
 
 
 def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: ResponseStore,
-                 log_requests: bool = True) -> Router:
+                 log_requests: bool = True, stall_timeout_s: float = 30.0) -> Router:
     router = Router()
-    health = functools.partial(admin.health, ctx)
+    health = admin.health(ctx, stall_timeout_s)
     routes = [
         ("POST", "/v1/completions", functools.partial(create_completion, ctx)),
         ("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx)),
@@ -122,7 +122,8 @@ class OpenAIServer:
                              loras=dict(info.get("loras") or {}))
         self.context = ctx
         self.http = HTTPServer(self.server_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
-                                                                self.server_config.log_requests),
+                                                                self.server_config.log_requests,
+                                                                self.server_config.engine_stall_timeout_s),
                                on_refusal=refusal_logger(self.server_config.log_requests),
                                open_while_draining=admin.PROBE_PATHS)
         try:
