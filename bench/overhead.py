@@ -4,8 +4,8 @@ python -m bench.overhead [--streams 32,256] [--input-len 32] [--output-len 64] [
 Paths: EngineCore stepped in-process; AsyncLLM with the core in a thread; AsyncLLM with the core in a spawned
 process; the full server (HTTP + SSE, `python -m rawserve serve`, core in a process) driven by bench/client.py.
 Each: N greedy streams of input-len prompt tokens and output-len generated tokens (ignore_eos), output tok/s
-from the first submit to the last token (the median of --repeats runs after a warm-up), and the ratio to the
-engine alone. One JSON line per (path, N), then
+from the first submit to the last token (the median of --repeats runs, interleaved across the paths after a
+warm-up), and the ratio to the engine alone. One JSON line per (path, N), then
 a summary with the issue's target (server >= 0.85x the engine at 256 streams). The demo model by default.
 """
 from __future__ import annotations
@@ -42,73 +42,102 @@ def prompts(tokenizer, streams: int, input_len: int) -> list[list[int]]:
     return [(base[i % len(ids):] + base)[:input_len] for i in range(streams)]
 
 
-def run_engine(config: EngineConfig, batch: list[list[int]], output_len: int, repeats: int) -> list[float]:
-    from rawserve.engine.core import make_engine_core
+class EnginePath:
+    """EngineCore stepped in this process, on its own."""
 
-    core = make_engine_core(config)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i, ids in enumerate(batch[:8]):  # warm-up
-        core.add_request(f"w{i}", ids, params)
-    while core.has_unfinished:
-        core.step()
-    rates = []
-    for r in range(repeats):
-        started = time.perf_counter()
+    def __init__(self, config: EngineConfig) -> None:
+        from rawserve.engine.core import make_engine_core
+
+        self.core = make_engine_core(config)
+        self.runs = 0
+
+    async def run(self, batch: list[list[int]], params: SamplingParams) -> int:
+        self.runs += 1
         for i, ids in enumerate(batch):
-            core.add_request(f"r{r}-{i}", ids, params)
+            self.core.add_request(f"r{self.runs}-{i}", ids, params)
         tokens = 0
-        while core.has_unfinished:
-            for out in core.step():
+        while self.core.has_unfinished:
+            for out in self.core.step():
                 tokens += len(out.new_token_ids)
-        rates.append(tokens / (time.perf_counter() - started))
-    return rates
+        return tokens
+
+    async def close(self) -> None:
+        pass
 
 
-async def run_async_llm(config: EngineConfig, tokenizer, mode: str, batch: list[list[int]], output_len: int,
-                        repeats: int) -> list[float]:
-    from rawserve.engine.frontend.async_llm import AsyncLLM
-    from rawserve.engine.launch import CoreFactory
+class AsyncLLMPath:
+    """AsyncLLM with its core in a thread or a spawned process; the streams consumed on this loop."""
 
-    llm = AsyncLLM(CoreFactory(config, "warning"), tokenizer, mode=mode, max_pending=len(batch) + 16)
-    await llm.start()
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    def __init__(self, config: EngineConfig, tokenizer, mode: str, max_pending: int) -> None:
+        from rawserve.engine.frontend.async_llm import AsyncLLM
+        from rawserve.engine.launch import CoreFactory
 
-    async def consume(stream) -> int:
-        count = 0
-        async for out in stream:
-            count = out.num_output_tokens if out.finished else count
-        return count
+        self.llm = AsyncLLM(CoreFactory(config, "warning"), tokenizer, mode=mode, max_pending=max_pending)
+        self.runs = 0
 
-    try:
-        await asyncio.gather(*(consume(llm.generate(ids, params, f"w{i}")) for i, ids in enumerate(batch[:8])))
-        rates = []
-        for r in range(repeats):
-            started = time.perf_counter()
-            counts = await asyncio.gather(*(consume(llm.generate(ids, params, f"r{r}-{i}"))
-                                            for i, ids in enumerate(batch)))
-            rates.append(sum(counts) / (time.perf_counter() - started))
-        return rates
-    finally:
-        await llm.stop(0)
+    async def start(self) -> AsyncLLMPath:
+        await self.llm.start()
+        return self
+
+    async def run(self, batch: list[list[int]], params: SamplingParams) -> int:
+        self.runs += 1
+
+        async def consume(stream) -> int:
+            count = 0
+            async for out in stream:
+                count = out.num_output_tokens if out.finished else count
+            return count
+
+        return sum(await asyncio.gather(*(consume(self.llm.generate(ids, params, f"r{self.runs}-{i}"))
+                                          for i, ids in enumerate(batch))))
+
+    async def close(self) -> None:
+        await self.llm.stop(0)
 
 
-async def run_server(port: int, batch: list[list[int]], output_len: int, repeats: int) -> list[float]:
-    from bench.client import call
+class ServerPath:
+    """`python -m rawserve serve` (core in a process), driven by bench/client.py over HTTP + SSE."""
 
-    def body(ids: list[int]) -> dict:
-        return {"prompt": ids, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    async def run(self, batch: list[list[int]], params: SamplingParams) -> int:
+        from bench.client import call
+
+        body = {"max_tokens": params.max_tokens, "ignore_eos": True, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
-
-    await asyncio.gather(*(call("127.0.0.1", port, "/v1/completions", body(ids)) for ids in batch[:8]))
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        outcomes = await asyncio.gather(*(call("127.0.0.1", port, "/v1/completions", body(ids)) for ids in batch))
-        elapsed = time.perf_counter() - started
+        outcomes = await asyncio.gather(*(call("127.0.0.1", self.port, "/v1/completions", {**body, "prompt": ids})
+                                          for ids in batch))
         failed = [o.error for o in outcomes if not o.ok]
         if failed:
             raise RuntimeError(f"{len(failed)} server requests failed: {failed[:3]}")
-        rates.append(sum(o.usage_tokens or 0 for o in outcomes) / elapsed)
+        return sum(o.usage_tokens or 0 for o in outcomes)
+
+    async def close(self) -> None:
+        pass
+
+
+async def measure(config: EngineConfig, tokenizer, port: int, batch: list[list[int]], output_len: int,
+                  repeats: int) -> dict[str, list[float]]:
+    """Every path built and warmed up first, then the timed runs interleaved (each repeat runs every path once),
+    so load that comes and goes on a shared machine falls on all of them alike."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    paths = {"engine_core": EnginePath(config),
+             "async_llm_thread": await AsyncLLMPath(config, tokenizer, "thread", len(batch) + 16).start(),
+             "async_llm_process": await AsyncLLMPath(config, tokenizer, "process", len(batch) + 16).start(),
+             "http_server": ServerPath(port)}
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    try:
+        for path in paths.values():
+            await path.run(batch[:8], params)  # warm-up
+        for _ in range(repeats):
+            for name, path in paths.items():
+                started = time.perf_counter()
+                tokens = await path.run(batch, params)
+                rates[name].append(tokens / (time.perf_counter() - started))
+    finally:
+        for path in paths.values():
+            await path.close()
     return rates
 
 
@@ -133,17 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     for streams in args.streams:
         config = engine_config(model_dir, streams, args.input_len, args.output_len)
         batch = prompts(tokenizer, streams, args.input_len)
-        n = args.repeats
-        results = {"engine_core": run_engine(config, batch, args.output_len, n),
-                   "async_llm_thread": asyncio.run(run_async_llm(config, tokenizer, "thread", batch, args.output_len, n)),
-                   "async_llm_process": asyncio.run(run_async_llm(config, tokenizer, "process", batch,
-                                                                  args.output_len, n))}
         flags = ["--max-model-len", str(config.max_model_len), "--num-kv-blocks", str(config.num_kv_blocks),
                  "--max-num-seqs", str(config.max_num_seqs), "--no-enable-prefix-caching", "--device", "cpu",
                  "--max-pending", str(streams + 16)]
         proc, port = start_server(flags, model_dir)
         try:
-            results["http_server"] = asyncio.run(run_server(port, batch, args.output_len, n))
+            results = asyncio.run(measure(config, tokenizer, port, batch, args.output_len, args.repeats))
         finally:
             stop_server(proc)
         base = statistics.median(results["engine_core"])

@@ -18,6 +18,9 @@ from rawserve.http import JSONResponse, Request, TextResponse, parse
 from rawserve.metrics import CONTENT_TYPE
 
 
+TOKENIZE_MAX_TOKENS = 1 << 17  # /tokenize's limit when the context is shorter
+
+
 def model_card(ctx: ServingContext) -> dict:
     return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "rawserve",
             "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}
@@ -119,12 +122,14 @@ async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
+    # Texts longer than the context may be measured (documents to split), but not without bound.
+    limit = max(ctx.max_model_len, TOKENIZE_MAX_TOKENS)
     if req.messages is not None:
         chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
         text, _ = render_prompt(ctx, chat)
-        ids = await ctx.encode(text, add_special_tokens=False, max_tokens=ctx.max_model_len)
+        ids = await ctx.encode(text, add_special_tokens=False, max_tokens=limit)
     else:
-        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=ctx.max_model_len)
+        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=limit)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
 

@@ -85,7 +85,7 @@ class ServingContext:
         except TooManyTokens as too_many:
             if prompt_param is None:
                 raise APIError(400, f"The text is {'at least ' if too_many.at_least else ''}{too_many.num_tokens} "
-                                    f"tokens; at most {limit} (the model's maximum context length) are tokenized.",
+                                    f"tokens; at most {limit} are tokenized.",
                                param="prompt", code="context_length_exceeded") from None
             raise self.context_exceeded(too_many.num_tokens, prompt_param, too_many.at_least) from None
 
