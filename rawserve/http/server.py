@@ -1,5 +1,6 @@
-"""The listener: accepts sockets (up to the connection cap), owns the connection tasks, and shuts
-down gracefully on SIGTERM/SIGINT (a second signal stops at once) within `drain_timeout_s`.
+"""The listener: accepts sockets (at the connection cap, closing the one idle longest to make room; per
+client address up to its own cap), owns the connection tasks, and shuts down gracefully on SIGTERM/SIGINT
+(a second signal stops at once) within `drain_timeout_s`.
 
 Knows nothing of routes' meaning; the API layer hands it a Router and may watch `is_draining`.
 Connections get a Dispatcher (dispatch.py), never the server itself.
