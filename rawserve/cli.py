@@ -95,7 +95,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int
         log.error("the engine failed to start: %s", error)
         return 1
     except OSError as error:  # the port is taken, a certificate is unreadable
-        log.error("cannot listen: %s", error)
+        log.error("cannot listen on %s:%d: %s", server_config.host, server_config.port, error)
         await server.stop()
         return 1
     return await server.serve()

@@ -136,7 +136,8 @@ class ServerConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "Model id clients send and see. Default: the checkpoint directory's name."})
     api_key: list[str] = field(default_factory=list, metadata={
-        "help": "Accepted bearer key for /v1/*; repeat the flag for several. None: no auth."})
+        "help": "Accepted bearer key for every path but /health, /ready and /metrics; repeat the flag for "
+                "several. None: no auth."})
     api_key_file: str | None = field(default=None, metadata={
         "help": "File of accepted bearer keys, one 'key' or 'key:tpm' per line (blank lines and # comments "
                 "skipped); tpm overrides --rate-limit-tpm for that key. Adds to --api-key."})
@@ -147,6 +148,9 @@ class ServerConfig:
         "help": "Give each API key its own prefix-cache salt, so one tenant cannot time another's prompts "
                 "through cache hits (a request's cache_salt is combined with it). --no-per-key-cache-salt shares "
                 "the cache across keys."})
+    open_paths: list[str] = field(default_factory=list, metadata={
+        "help": "More paths served without an API key (e.g. /tokenize /detokenize /version); several after one "
+                "flag, or the flag repeated.", "nargs": "+"})
     allowed_origins: list[str] = field(default_factory=list, metadata={
         "help": "CORS origins allowed (repeatable; '*' for any). None: CORS off."})
     keep_alive_s: float = field(default=5.0, metadata={"help": "Idle time before a keep-alive connection closes."})
@@ -158,7 +162,14 @@ class ServerConfig:
                 "dropped and its request aborted."})
     max_header_bytes: int = field(default=16384, metadata={"help": "Limit on request line + headers; 431 past it."})
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "Limit on a request body; 413 past it."})
-    max_connections: int = field(default=1024, metadata={"help": "Open connections at most; more are refused."})
+    max_connections: int = field(default=1024, metadata={
+        "help": "Open connections at most. At the cap a new connection closes the one idle longest (no request "
+                "in progress); only when every connection is busy is it refused with 503."})
+    max_connections_per_ip: int = field(default=0, metadata={
+        "help": "Open connections from one client address at most; more are refused with 503 (0: no limit)."})
+    first_byte_timeout_s: float = field(default=2.0, metadata={
+        "help": "Time a new connection has to send its first byte before it is closed (shorter than "
+                "--keep-alive-s: silent sockets must not hold connection slots)."})
     sse_ping_interval_s: float = field(default=15.0, metadata={
         "help": "Interval of ': ping' comments while a stream waits (0 disables)."})
     drain_timeout_s: float = field(default=30.0, metadata={
@@ -167,6 +178,9 @@ class ServerConfig:
     engine_mode: str = field(default="process", metadata={
         "help": "Run the engine core in a spawned process or a thread.", "choices": ENGINE_MODES})
     max_pending: int = field(default=1024, metadata={"help": "Requests in flight at most; 503 past it."})
+    engine_stall_timeout_s: float = field(default=30.0, metadata={
+        "help": "/health answers 503 (engine_stalled) when requests are waiting and the engine core has sent "
+                "nothing, not even its heartbeat (every second), for this long; 200 again once it speaks."})
     request_timeout_s: float = field(default=600.0, metadata={"help": "Deadline of one request."})
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file overriding the checkpoint's."})
@@ -198,7 +212,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-        for name in ("keep_alive_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
+        _check(all(p.startswith("/") for p in self.open_paths), "open_paths", "each path starts with '/'")
+        _check(self.max_connections_per_ip >= 0, "max_connections_per_ip", "must be >= 0")
+        for name in ("keep_alive_s", "first_byte_timeout_s", "engine_stall_timeout_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
                      "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")

@@ -18,6 +18,9 @@ from rawserve.http import JSONResponse, Request, TextResponse, parse
 from rawserve.metrics import CONTENT_TYPE
 
 
+TOKENIZE_MAX_TOKENS = 1 << 17  # /tokenize's limit when the context is shorter
+
+
 def model_card(ctx: ServingContext) -> dict:
     return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "rawserve",
             "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}
@@ -80,11 +83,17 @@ async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResp
 PROBE_PATHS = ("/health", "/ready", "/metrics")  # answered during a drain too
 
 
-async def health(ctx: ServingContext, request: Request) -> JSONResponse:
-    """Liveness: 503 only when the engine is dead (a restart would help); a drain is not a failure."""
-    if ctx.llm.is_dead:
-        raise APIError(503, f"The engine is dead: {ctx.llm.dead_reason}", code="engine_dead")
-    return JSONResponse({"status": "ok"})
+def health(ctx: ServingContext, stall_timeout_s: float = 30.0) -> Callable:
+    """Liveness (GET and HEAD /health): 503 when the engine is dead, or frozen (requests wait and the core has
+    sent nothing, not even its heartbeat, for stall_timeout_s: AsyncLLM.stall_reason); a drain is not a failure."""
+    async def handler(request: Request) -> JSONResponse:
+        if ctx.llm.is_dead:
+            raise APIError(503, f"The engine is dead: {ctx.llm.dead_reason}", code="engine_dead")
+        stalled = ctx.llm.stall_reason(stall_timeout_s)
+        if stalled is not None:
+            raise APIError(503, f"The engine is not responding: {stalled}.", code="engine_stalled")
+        return JSONResponse({"status": "ok"})
+    return handler
 
 
 def ready(ctx: ServingContext, is_draining: Callable[[], bool]) -> Callable:
@@ -122,12 +131,14 @@ async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "Give exactly one of prompt or messages.", param="prompt")
+    # Texts longer than the context may be measured (documents to split), but not without bound.
+    limit = max(ctx.max_model_len, TOKENIZE_MAX_TOKENS)
     if req.messages is not None:
         chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
         text, _ = render_prompt(ctx, chat)
-        ids = await ctx.encode(text, add_special_tokens=False)
+        ids = await ctx.encode(text, add_special_tokens=False, max_tokens=limit)
     else:
-        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=limit)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
 

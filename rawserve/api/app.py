@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from rawserve.api import admin
 from rawserve.api.access_log import logged, refusal_logger
+from rawserve.api.body_gate import BodyGate
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
 from rawserve.api.rate_limit import RateLimiter
@@ -23,7 +24,7 @@ from rawserve.api.status_log import StatsLogger, startup_summary
 from rawserve.config import EngineConfig, ServerConfig
 from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.launch import CoreFactory
-from rawserve.http import HTTPServer, Router
+from rawserve.http import HTTPServer, Router, bind_socket
 from rawserve.metrics import Metrics
 from rawserve.text.chat_template import load_chat_template
 from rawserve.text.defaults import GenerationDefaults
@@ -34,9 +35,10 @@ log = logging.getLogger("rawserve")
 
 
 def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: ResponseStore,
-                 log_requests: bool = True) -> Router:
+                 log_requests: bool = True, stall_timeout_s: float = 30.0) -> Router:
     """Every route with its access line; routes under /v1 also carry a limited key's x-ratelimit-* headers."""
     router = Router()
+    health = admin.health(ctx, stall_timeout_s)
     routes = [
         ("POST", "/v1/completions", functools.partial(create_completion, ctx)),
         ("POST", "/v1/chat/completions", functools.partial(create_chat_completion, ctx)),
@@ -48,7 +50,8 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
         ("POST", "/v1/load_lora_adapter", functools.partial(admin.load_lora_adapter, ctx)),
         ("POST", "/v1/unload_lora_adapter", functools.partial(admin.unload_lora_adapter, ctx)),
-        ("GET", "/health", functools.partial(admin.health, ctx)),
+        ("GET", "/health", health),
+        ("HEAD", "/health", health),  # load balancers probe with HEAD too; the same answer, without the body
         ("GET", "/ready", admin.ready(ctx, is_draining)),
         ("GET", "/metrics", functools.partial(admin.metrics, ctx)),
         ("GET", "/version", functools.partial(admin.version, ctx)),
@@ -56,9 +59,12 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("POST", "/detokenize", functools.partial(admin.detokenize, ctx)),
         ("GET", "/tokenizer_info", functools.partial(admin.tokenizer_info, ctx)),
     ]
+    gate = BodyGate()
     for method, path, handler in routes:
         if ctx.limiter is not None and ctx.limiter.is_enabled and path.startswith("/v1/"):
             handler = ctx.limiter.with_headers(handler)
+        if method == "POST":  # a body of megabytes waits for one of a few slots before it is parsed
+            handler = gate.wrap(handler)
         router.add(method, path, logged(handler, log_requests))  # the access line; errors are logged either way
     return router
 
@@ -109,8 +115,14 @@ class OpenAIServer:
         return None if self.http is None else self.http.port
 
     async def start(self) -> None:
-        """Load the model (in the core) and bind; raises EngineDead if the core cannot start."""
-        await self.llm.start()
+        """Bind, then load the model (in the core) and serve; raises OSError at once if the port is taken,
+        EngineDead if the core cannot start."""
+        sock = bind_socket(self.server_config)  # before the model loads: a taken port fails in a moment
+        try:
+            await self.llm.start()
+        except BaseException:
+            sock.close()
+            raise
         info = self.llm.info or {}
         ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
@@ -121,11 +133,12 @@ class OpenAIServer:
         # The HTTP layer checks every accepted key, the file's included.
         http_config = dataclasses.replace(self.server_config, api_key=list(self.api_keys))
         self.http = HTTPServer(http_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
-                                                                self.server_config.log_requests),
+                                                                self.server_config.log_requests,
+                                                                self.server_config.engine_stall_timeout_s),
                                on_refusal=refusal_logger(self.server_config.log_requests),
                                open_while_draining=admin.PROBE_PATHS)
         try:
-            await self.http.start()
+            await self.http.start(sock)
         except BaseException:
             await self.llm.stop(0)
             raise

@@ -21,7 +21,7 @@ from rawserve.engine.frontend.async_llm import RequestStream
 from rawserve.engine.frontend.output_processor import TextOutput
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
-from rawserve.text.chat_template import render_chat
+from rawserve.text.chat_template import RESERVED_KWARGS, render_chat
 from rawserve.text.parsers import OutputParser, prompt_opens_reasoning
 
 
@@ -35,9 +35,13 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") != "text":
                     raise APIError(400, f"Content part type {part.get('type')!r} is not supported; only 'text' "
                                         "parts are.", param=f"messages.{i}.content.{j}")
+                if not isinstance(part.get("text"), str):
+                    got = "no 'text'" if part.get("text") is None else f"'text' of type {type(part['text']).__name__}"
+                    raise APIError(400, f"A content part of type 'text' needs a string 'text'; this one has {got}.",
+                                   param=f"messages.{i}.content.{j}.text")
                 parts.append(part["text"])
             content = "".join(parts)
         message: dict = {"role": m.role, "content": content}
@@ -101,6 +105,10 @@ def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
             ("name", t.function.name), ("description", t.function.description),
             ("parameters", t.function.parameters)) if v is not None}} for t in req.tools]
     kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
+    if reserved:  # the renderer's own arguments and limits (the size cap, the clock) are the server's
+        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: the server provides it.",
+                       param=f"chat_template_kwargs.{reserved[0]}")
     tok = ctx.tokenizer
     messages = message_dicts(req.messages)
     add_generation_prompt = req.add_generation_prompt and not req.continue_final_message

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from rawserve.api import access_log
+from rawserve.api import access_log, body_gate
 from rawserve.api.guided import GrammarCache
 from rawserve.api.protocol import SamplingFields
 from rawserve.api.rate_limit import RateLimiter, Reservation
@@ -89,21 +89,28 @@ class ServingContext:
         """The model name a response reports: the adapter's that runs it (lora_for's choice), as vLLM does."""
         return self.lora_for(req) or self.model_name
 
-    async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None) -> list[int]:
-        """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its
-        field), one that leaves no room for a completion is refused without building its ids."""
-        limit = None if prompt_param is None else rules.max_prompt_tokens(self.max_model_len)
+    async def encode(self, text: str, add_special_tokens: bool = True, prompt_param: str | None = None, *,
+                     max_tokens: int | None = None) -> list[int]:
+        """Ids for `text`, tokenized in a thread when long. As a prompt (`prompt_param` names its field), one
+        that leaves no room for a completion is refused; otherwise one over `max_tokens` is. Either way a text
+        far over its limit is refused from its length, or a bounded count, before it is tokenized whole
+        (Tokenizer.encode): its memory is bounded by the limit, not by the body."""
+        limit = max_tokens if prompt_param is None else rules.max_prompt_tokens(self.max_model_len)
         try:
             if len(text) > RELEASE_GIL_AT:  # in a thread, so the loop keeps serving others
                 return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens, limit)
             return self.tokenizer.encode(text, add_special_tokens, limit)
         except TooManyTokens as too_many:
-            raise self.context_exceeded(too_many.num_tokens, prompt_param) from None
+            if prompt_param is None:
+                raise APIError(400, f"The text is {'at least ' if too_many.at_least else ''}{too_many.num_tokens} "
+                                    f"tokens; at most {limit} are tokenized.",
+                               param="prompt", code="context_length_exceeded") from None
+            raise self.context_exceeded(too_many.num_tokens, prompt_param, too_many.at_least) from None
 
-    def context_exceeded(self, prompt_len: int, prompt_param: str | None) -> APIError:
+    def context_exceeded(self, prompt_len: int, prompt_param: str | None, at_least: bool = False) -> APIError:
         return APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                             f"your prompt has {prompt_len} tokens, leaving no room for a completion.",
-                        param=prompt_param, code="context_length_exceeded")
+                             f"your prompt has {'at least ' if at_least else ''}{prompt_len} tokens, leaving no "
+                             "room for a completion.", param=prompt_param, code="context_length_exceeded")
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) > RELEASE_GIL_AT:
@@ -187,6 +194,19 @@ class ServingContext:
         except rules.RuleError as error:
             raise APIError(400, str(error), param=param) from None
 
+    def check_capacity(self, num_prompts: int, n: int) -> None:
+        """Room for num_prompts x n engine requests: a 400 if they could never fit --max-pending (instead of
+        admitting some and aborting them), a 503 if they do not fit now."""
+        needed = num_prompts * n
+        if needed > self.llm.max_pending:
+            raise APIError(400, f"This request needs {needed} engine requests ({num_prompts} prompt(s) x n={n}); "
+                                f"the server runs at most {self.llm.max_pending} at once (--max-pending).",
+                           param="prompt" if num_prompts > 1 else "n")
+        try:
+            self.llm.check_capacity(needed)
+        except Overloaded as error:
+            raise overloaded(error) from None
+
     def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
                       req: SamplingFields, caller: Caller | None = None) -> list[RequestStream]:
         """One engine request per (prompt, sample); choice index = prompt * n + sample. `caller` brings the
@@ -199,10 +219,7 @@ class ServingContext:
         record = access_log.current()
         if record is not None and record.rid is None:
             record.rid = rid
-        try:
-            self.llm.check_capacity(len(prompts) * params.n)
-        except Overloaded as error:
-            raise overloaded(error) from None
+        self.check_capacity(len(prompts), params.n)
         lora = self.lora_for(req)
         if self.limiter is not None:
             caller.reservation = self.limiter.reserve(caller.api_key, sum(map(len, prompts)),
@@ -223,6 +240,7 @@ class ServingContext:
             if isinstance(error, ValueError):
                 raise APIError(400, str(error)) from None
             raise overloaded(error) from None
+        body_gate.release_early()  # the prompt is admitted: the next large body may be parsed
         return streams
 
 

@@ -15,12 +15,13 @@ from typing import Any
 
 from rawserve.engine.ipc import Receiver, Sender
 from rawserve.engine.launch import describe_core
-from rawserve.engine.messages import Message, MsgKind
+from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
 
 log = logging.getLogger("rawserve.engine.core_loop")
 
 STATS_INTERVAL_S = 0.25
-_PARENT_POLL_S = 1.0  # an idle child checks this often that its parent still exists
+# An idle loop wakes this often: to send its heartbeat, and (a spawned child) to check its parent still exists.
+_IDLE_POLL_S = HEARTBEAT_INTERVAL_S
 _LORA_POLL_S = 0.005  # an idle core checks this often whether an adapter read has finished
 
 
@@ -49,6 +50,18 @@ def _finished_lora_reads(core: Any, reads: list[tuple[int, str, Future]]) -> lis
     return done
 
 
+def _send_or_beat(outputs: Sender, msgs: list[Message], last_sent: float) -> float:
+    """Send `msgs`; with nothing to send, a heartbeat once HEARTBEAT_INTERVAL_S has passed. Returns when the
+    core last said something."""
+    now = time.monotonic()
+    if not msgs:
+        if now - last_sent < HEARTBEAT_INTERVAL_S:
+            return last_sent
+        msgs = [(MsgKind.HEARTBEAT, None)]
+    _send(outputs, msgs)
+    return now
+
+
 def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
              stats_interval_s: float = STATS_INTERVAL_S) -> None:
     """Build the core with `factory()` and serve it until `shutdown`, a fatal error or end of input.
@@ -61,7 +74,8 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
     Out (MsgKind): READY {max_model_len, num_blocks, vocab_size, pid, device, dtype, num_params, block_size}, OUTPUTS [RequestOutput] once per
     step, ERROR (rid, message), FATAL message, STATS EngineStats every stats_interval_s while busy and
     whenever the core goes idle, QUEUED [(rid, seconds)] when requests are first scheduled (the
-    scheduler times them: `core.take_queue_times()` after each step). Several go out in one send.
+    scheduler times them: `core.take_queue_times()` after each step), HEARTBEAT when nothing else went out
+    for HEARTBEAT_INTERVAL_S, busy or idle. Several go out in one send.
     """
     try:
         try:
@@ -99,17 +113,16 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
     # In a spawned child, a parent killed by SIGKILL never closes our input; poll for it when idle.
     parent = multiprocessing.parent_process()
     was_busy = False
-    last_stats = time.monotonic()
+    last_stats = last_sent = time.monotonic()
     lora_reads: list[tuple[int, str, Future]] = []  # (token, name, read) of adapters being read off this thread
     while True:
         is_busy = core.has_unfinished
         if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
-            _send(outputs, [(MsgKind.STATS, core.stats())])
-            last_stats = time.monotonic()
+            last_sent = _send_or_beat(outputs, [(MsgKind.STATS, core.stats())], last_sent)
+            last_stats = last_sent
         was_busy = is_busy
         try:
-            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if lora_reads else
-                               None if parent is None else _PARENT_POLL_S)
+            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if lora_reads else _IDLE_POLL_S)
         except EOFError:  # the frontend closed its end: nobody will send more work
             return
         if not msgs and not is_busy and parent is not None and not parent.is_alive():
@@ -154,7 +167,7 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
         if lora_reads:
             replies.extend(_finished_lora_reads(core, lora_reads))
         if not core.has_unfinished:
-            _send(outputs, replies)
+            last_sent = _send_or_beat(outputs, replies, last_sent)
             continue
         try:
             step_outputs = core.step()
@@ -172,4 +185,4 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             _send(outputs, [*replies, (MsgKind.FATAL, f"engine step failed: {error!r}")])
             return
         was_busy = True  # it stepped: report stats when it next finds itself idle
-        _send(outputs, replies)
+        last_sent = _send_or_beat(outputs, replies, last_sent)

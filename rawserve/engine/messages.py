@@ -24,6 +24,12 @@ class MsgKind(enum.StrEnum):
     STATS = "stats"  # EngineStats, periodically and whenever the core goes idle
     QUEUED = "queued"  # [(rid, seconds waited)] when requests are first scheduled
     LORA_DONE = "lora_done"  # (token, error or None, code: "bad" | "unknown" | None), answering LORA
+    HEARTBEAT = "heartbeat"  # None: sent when nothing else went out for HEARTBEAT_INTERVAL_S
+
+
+# The core says something at least this often, busy or idle: a frontend that hears nothing for much longer
+# knows the core is frozen (stopped, swapping, stuck in a step), not merely quiet.
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 # One message: (kind, payload). Transports (engine/ipc.py) carry a list of them per send.

@@ -1,24 +1,22 @@
-"""Bearer API keys (`--api-key`, one or many) on /v1/*; 401 in OpenAI's shape.
+"""Bearer API keys (`--api-key`, one or many) on every path but the probes'; 401 in OpenAI's shape.
 
-Only /v1 and paths under /v1/ are protected: /health and /metrics stay open for probes and
-scrapers. Knows nothing of per-key limits; that is the API layer's business.
+/health, /ready and /metrics stay open for load balancers and scrapers; `--open-paths` may open more (e.g.
+/tokenize, /version). Knows nothing of per-key limits; that is the API layer's business.
 """
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 
 from rawserve.errors import APIError
 from rawserve.http.messages import Headers
 
-PROTECTED_PREFIX = "/v1/"
-
-
-def is_protected(path: str) -> bool:
-    return path.startswith(PROTECTED_PREFIX) or path == "/v1"
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 class APIKeyAuth:
-    def __init__(self, api_keys: list[str]) -> None:
+    def __init__(self, api_keys: list[str], open_paths: Iterable[str] = ()) -> None:
+        self.open_paths = OPEN_PATHS.union(open_paths)
         for key in api_keys:
             if not key or key != key.strip():
                 raise ValueError("--api-key: a key must be non-empty without surrounding spaces")
@@ -28,7 +26,7 @@ class APIKeyAuth:
     def check(self, path: str, headers: Headers) -> str | None:
         """The key a protected request presented (None when auth is off or the path is open);
         APIError 401 when the key is missing or wrong."""
-        if not self.is_enabled or not is_protected(path):
+        if not self.is_enabled or path in self.open_paths:
             return None
         value = headers.get("authorization")
         if value is None:

@@ -15,7 +15,7 @@ from rawserve.errors import APIError
 from rawserve.http import sse
 from rawserve.http.dispatch import Dispatcher
 from rawserve.http.messages import Request, Response, error_response
-from rawserve.http.protocol import NEED_DATA, NEVER, Close, Dispatch, HTTPProtocol, Write
+from rawserve.http.protocol import HANDLER, NEED_DATA, NEVER, Close, Dispatch, HTTPProtocol, Write
 from rawserve.http.routing import Handler
 
 logger = logging.getLogger("rawserve.http")
@@ -31,6 +31,7 @@ TIMED_OUT = "request deadline"  # the protocol's: idle, header or body timeout
 WRITE_TIMEOUT = "write timeout"
 CLIENT_GONE = "client gone"
 SHUTDOWN = "server shutdown"
+EVICTED = "evicted"  # idle while the server was full: closed to make room for a new connection
 
 
 class Connection:
@@ -83,7 +84,7 @@ class Connection:
                         # A stream is written from here, at the top of this task's await chain:
                         # every token resumes the whole chain, and each level costs ~40 ns a token.
                         protocol.end_stream(await sse.stream(response, transport, self._drain, is_chunked,
-                                                             self._config.sse_ping_interval_s))
+                                                             self._config.sse_ping_interval_s, self._cut_short))
                     elif kind is Write:
                         write(action.data)
                     else:
@@ -96,6 +97,8 @@ class Connection:
                     raise
                 self._uncancel()
                 close = self._expired  # set for a deadline only: a 408, or a quiet close
+                if self._stop_reason == SHUTDOWN and protocol.phase is HANDLER and not protocol.is_peer_gone:
+                    write(protocol.respond(error_response(_SHUTDOWN_ERROR)))  # the drain timed out before it
             except Exception:  # a bug of ours, not the client's: the log shows it, the client a close
                 logger.exception("connection from %s failed", self._client)
             if close is not None:
@@ -115,6 +118,19 @@ class Connection:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
+    @property
+    def idle_since(self) -> float:
+        """When this connection began waiting for a request head; NEVER while a request is in progress
+        (or once it is being stopped)."""
+        protocol = self._protocol
+        return protocol.idle_since if self._stop_reason is None and protocol.is_idle else NEVER
+
+    def evict(self) -> None:
+        """Close this idle connection at once, to make room (the server is at its cap)."""
+        if self._stop_reason is None:
+            self._expired = self._protocol.evict()
+            self.stop(EVICTED)
+
     def tick(self, now: float) -> None:
         """Called by the server every TICK_S: carry out a deadline that passed."""
         if now >= self._protocol.deadline:
@@ -129,6 +145,12 @@ class Connection:
         """The transport saw EOF or a reset (StreamProtocol calls this)."""
         if self._protocol.peer_gone():
             self.stop(CLIENT_GONE)
+
+    def _cut_short(self) -> APIError | None:
+        """Asked by a stream we cancel: the error its client is told, or None when it is the client who left."""
+        if self._stop_reason == SHUTDOWN and not self._protocol.is_peer_gone:
+            return _SHUTDOWN_ERROR
+        return None
 
     async def _call(self, handler: Handler, request: Request) -> Response | sse.SSEResponse:
         """Run the handler; an APIError or a crash before the response starts becomes its answer."""
@@ -222,6 +244,10 @@ class StreamProtocol(asyncio.StreamReaderProtocol):
         if self.on_peer_gone is not None:
             self.on_peer_gone()
             self.on_peer_gone = None  # the connection is done with; do not keep it alive
+
+
+# At the end of --drain-timeout-s, what a request still running is told (an SSE error event once its stream began).
+_SHUTDOWN_ERROR = APIError(503, "The server shut down before this response finished.", code="server_shutdown")
 
 
 def _internal_error() -> Response:

@@ -131,6 +131,7 @@ class HTTPProtocol:
         self.phase = IDLE
         self.deadline = NEVER  # on the clock's scale; armed only while waiting for bytes
         self.num_requests = 0
+        self.idle_since = clock()  # when the current wait for a request head began (see is_idle)
         self.is_peer_gone = False  # the transport saw EOF or a reset, maybe before we read every byte
         self._has_input_ended = False  # we consumed the EOF itself: no byte will follow
         self._parser: h11.Connection | None = None  # the current request's
@@ -187,6 +188,16 @@ class HTTPProtocol:
         self._dispatcher.refused(exchange.request if exchange is not None else
                                  Request("-", "-", "", Headers([]), b"", "1.1", self._client), status)
 
+    @property
+    def is_idle(self) -> bool:
+        """No request in progress: waiting for a head's first byte, or holding only part of one. Such a
+        connection is the first to go when the server is full (evict())."""
+        return self.phase is IDLE or self.phase is HEAD
+
+    def evict(self) -> Close:
+        """Close an idle connection to make room for another: without a word, as an idle timeout does."""
+        return self._shut(b"", linger=False)
+
     def connection_closed(self) -> None:
         """The shell is done with the connection, whatever the phase: the books on an unfinished
         request are closed."""
@@ -216,9 +227,11 @@ class HTTPProtocol:
                 return self._next_head()
             if self._has_input_ended:
                 return self._shut(b"", linger=False)
-            # The first request gets the header timeout, later ones keep-alive's.
+            # A new connection gets a short wait for its first byte, later requests keep-alive's: sockets
+            # opened and left silent must not hold connection slots for long.
             config = self._config
-            self.deadline = self._clock() + (config.keep_alive_s if self.num_requests else config.header_timeout_s)
+            now = self.idle_since = self._clock()
+            self.deadline = now + (config.keep_alive_s if self.num_requests else config.first_byte_timeout_s)
             return NEED_DATA
         if phase is BODY or phase is DISCARD:
             return self._next_body()
@@ -284,6 +297,10 @@ class HTTPProtocol:
         target, cors_lines = self._dispatcher.admit(head, request)
         exchange = self._exchange = _Exchange(head, request, cors_lines)
         self._dispatcher.begin()
+        if head.is_chunked and head.content_length is not None:
+            # Both framings (RFC 9112 6.1): chunked wins, but a proxy in front may have read the other,
+            # so bytes after this request could be a smuggled one. Answer it, then close.
+            exchange.keep_alive = False
         has_body = head.is_chunked or bool(head.content_length)
         # Every refusal decided from the head goes out before the body is read or a 100 Continue
         # is sent: a body that will be refused is never invited.

@@ -1,5 +1,6 @@
-"""The listener: accepts sockets (up to the connection cap), owns the connection tasks, and shuts
-down gracefully on SIGTERM/SIGINT (a second signal stops at once) within `drain_timeout_s`.
+"""The listener: accepts sockets (at the connection cap, closing the one idle longest to make room; per
+client address up to its own cap), owns the connection tasks, and shuts down gracefully on SIGTERM/SIGINT
+(a second signal stops at once) within `drain_timeout_s`.
 
 Knows nothing of routes' meaning; the API layer hands it a Router and may watch `is_draining`.
 Connections get a Dispatcher (dispatch.py), never the server itself.
@@ -20,6 +21,7 @@ from rawserve.config import ServerConfig
 from rawserve.errors import APIError
 from rawserve.http.auth import APIKeyAuth
 from rawserve.http.connection import SHUTDOWN, Connection, StreamProtocol
+from rawserve.http.protocol import NEVER
 from rawserve.http.dispatch import Dispatcher
 from rawserve.http.messages import Request
 from rawserve.http.routing import CORSPolicy, Router
@@ -37,10 +39,16 @@ TICK_S = 0.02
 # read would mmap, mremap and munmap a fresh buffer: three syscalls and a page fault per request,
 # about a fifth of a small request's cost. 64 KiB comes from the heap.
 _RECV_BYTES = 65536
-_FULL = APIError(503, "Too many open connections; try again later.", code="too_many_connections")
-_FULL_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                  b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%b") % (
-                      len(orjson.dumps(_FULL.to_dict())), orjson.dumps(_FULL.to_dict()))
+
+
+def _refusal(message: str) -> bytes:
+    body = orjson.dumps(APIError(503, message, code="too_many_connections").to_dict())
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%b") % (len(body), body)
+
+
+_FULL_RESPONSE = _refusal("Too many open connections; try again later.")
+_PER_IP_RESPONSE = _refusal("Too many open connections from this address; try again later.")
 
 
 class HTTPServer:
@@ -61,13 +69,15 @@ class HTTPServer:
         (health and readiness probes, /metrics)."""
         self.config = config
         self.router = router
-        self.auth = APIKeyAuth(config.api_key)
+        self.auth = APIKeyAuth(config.api_key, config.open_paths)
         self.cors = CORSPolicy(config.allowed_origins)
         self.port: int | None = None
         self._dispatcher = Dispatcher(router, self.auth, self.cors, self._on_drained, on_refusal,
                                       open_while_draining)
         self._listener: asyncio.base_events.Server | None = None
         self._connections: dict[Connection, asyncio.Task] = {}  # each with the task that serves it
+        self._per_address: dict[str, int] = {}  # open connections per client address (--max-connections-per-ip)
+        self.num_evicted = 0  # idle connections closed to make room at the cap
         self._drain_callbacks: list[Callable[[], None]] = []
         self._drained: asyncio.Event | None = None  # set when draining and nothing is in flight
         self._stopped: asyncio.Future[int] | None = None
@@ -96,7 +106,8 @@ class HTTPServer:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen on `sock` (from bind_socket(), bound before a slow start-up) or bind now."""
         if self._listener is not None:
             raise RuntimeError("the server is already started")
         loop = asyncio.get_running_loop()
@@ -106,9 +117,15 @@ class HTTPServer:
         def new_protocol() -> StreamProtocol:  # what asyncio.start_server builds, with the hook
             return StreamProtocol(asyncio.StreamReader(_STREAM_LIMIT, loop), self._accept, loop)
 
-        self._listener = await loop.create_server(
-            new_protocol, self.config.host, self.config.port,
-            backlog=min(self.config.max_connections, 4096), reuse_address=True, ssl=self._ssl_context())
+        _raise_fd_limit(self.config.max_connections)
+        if sock is None:
+            sock = bind_socket(self.config)
+        try:
+            self._listener = await loop.create_server(new_protocol, sock=sock, backlog=_backlog(self.config),
+                                                      ssl=self._ssl_context())
+        except BaseException:
+            sock.close()
+            raise
         self.port = self._listener.sockets[0].getsockname()[1]
         logger.info("listening on %s://%s:%d", self.config.scheme, self.config.host, self.port)
 
@@ -214,9 +231,17 @@ class HTTPServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       protocol: StreamProtocol) -> None:
-        if len(self._connections) >= self.config.max_connections:
-            await _refuse(reader, writer)
+        if len(self._connections) >= self.config.max_connections and not self._make_room():
+            await _refuse(reader, writer, _FULL_RESPONSE)
             return
+        peer = writer.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else ""
+        per_address = self._per_address
+        limit = self.config.max_connections_per_ip
+        if limit and per_address.get(address, 0) >= limit:
+            await _refuse(reader, writer, _PER_IP_RESPONSE)
+            return
+        per_address[address] = per_address.get(address, 0) + 1
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # Small responses must not wait for Nagle; asyncio usually sets this already.
@@ -232,6 +257,26 @@ class HTTPServer:
             await connection.run()
         finally:
             del self._connections[connection]
+            left = per_address[address] - 1
+            if left:
+                per_address[address] = left
+            else:
+                del per_address[address]
+
+    def _make_room(self) -> bool:
+        """At the cap: close the connection that has been idle longest (waiting for a head, or holding part of
+        one), as nginx reuses its oldest keep-alive connection. False when every connection is busy."""
+        victim, oldest = None, NEVER
+        for connection in self._connections:
+            since = connection.idle_since
+            if since < oldest:
+                victim, oldest = connection, since
+        if victim is None:
+            return False
+        victim.evict()
+        self.num_evicted += 1
+        logger.debug("at the connection cap (%d): closed an idle connection", self.config.max_connections)
+        return True
 
     def _tick(self) -> None:
         if not self._connections:
@@ -248,10 +293,54 @@ class HTTPServer:
             self._drained.set()
 
 
-async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Answer 503 to a connection over the cap, and close it without a reset (see LINGER_S)."""
+def _raise_fd_limit(max_connections: int) -> None:
+    """Lift the soft open-files limit to the hard one: at the connection cap, accept() must not fail for want
+    of descriptors (asyncio then stops accepting for a second, health probes included)."""
     try:
-        writer.write(_FULL_RESPONSE)
+        import resource
+    except ImportError:  # not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < max_connections + 64:
+        logger.warning("--max-connections %d is near the open-files limit (%d): raise `ulimit -n`",
+                       max_connections, soft)
+
+
+def _backlog(config: ServerConfig) -> int:
+    return min(config.max_connections, 4096)
+
+
+def bind_socket(config: ServerConfig) -> socket.socket:
+    """A listening socket on `config.host:config.port`; OSError (e.g. the port is in use) at once.
+
+    Bound before the engine starts, so a taken port fails in a moment instead of after loading a model.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(config.host or None, config.port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server does
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(_backlog(config))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: bytes) -> None:
+    """Answer 503 to a connection over a cap, and close it without a reset (see LINGER_S)."""
+    try:
+        writer.write(response)
         if writer.can_write_eof():
             writer.write_eof()
         await asyncio.wait_for(reader.read(65536), 0.2)

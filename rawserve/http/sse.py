@@ -107,7 +107,8 @@ class _Pinger:
 
 
 async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain: Callable[[], Awaitable[None]],
-                 is_chunked: bool, ping_interval_s: float) -> bool:
+                 is_chunked: bool, ping_interval_s: float,
+                 cancel_error: Callable[[], APIError | None] | None = None) -> bool:
     """Write every event (and wait after it while the client is behind, so a slow client slows only
     itself), then `[DONE]` and the end of the body. True when the stream ended cleanly; False when
     a failure went out as an error event (the caller then closes the connection). Cancellation
@@ -117,6 +118,9 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
     awaits `drain()` (the connection's, which bounds the wait) only when the transport is over its
     high-water mark, the one case where drain() waits. Calling it whenever a few events were
     still unsent cost a coroutine per event exactly when a server is busiest: 12% of SSE throughput.
+
+    `cancel_error()`, asked when the stream is cancelled, says whether the client is still there to be told
+    why (the server shutting down): then its error event, `[DONE]` and the end of the body go out first.
     """
     events, named = response.events, response.named
     write, buffered, dumps = transport.write, transport.get_write_buffer_size, orjson.dumps
@@ -142,7 +146,17 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
                 if buffered() > full:
                     await drain()
             exhausted = True
-        except (asyncio.CancelledError, ConnectionError):
+        except asyncio.CancelledError:
+            error = cancel_error() if cancel_error is not None else None
+            if error is not None:  # ended by us, not by the client: it gets a proper ending
+                write(frame(encode_error(error, named), is_chunked))
+                if named:
+                    if is_chunked:
+                        write(b"0\r\n\r\n")
+                else:
+                    write(_DONE_AND_END if is_chunked else DONE)
+            raise
+        except ConnectionError:
             raise
         except Exception as error:  # the client sees it as an error event; operators in the log
             if not isinstance(error, APIError):

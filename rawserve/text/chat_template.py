@@ -23,6 +23,9 @@ DEFAULT_MAX_RENDERED_CHARS = 8 * 1024 * 1024
 # Names the renderer itself provides; a caller's chat_template_kwargs may not replace them.
 RESERVED_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "strftime_now", "raise_exception",
                             "namespace", "dict", "range", "cycler", "joiner", "lipsum"})
+# What a request's chat_template_kwargs may not name: the names above, render_chat's own arguments
+# (its size cap and clock are the server's limits) and the special tokens the server passes.
+RESERVED_KWARGS = RESERVED_NAMES | {"template", "now", "max_rendered_chars", "bos_token", "eos_token"}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _PERCENT_WIDTH = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
 _BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")

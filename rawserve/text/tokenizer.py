@@ -24,12 +24,34 @@ BYTE_LEVEL, PIECES, WINDOW = "byte_level", "pieces", "window"
 RELEASE_GIL_AT = 4096
 
 
-class TooManyTokens(ValueError):
-    """Tokenizer.encode's result is over its `max_tokens`; `num_tokens` says by how much."""
+# A text longer than this is counted in windows of it before it is tokenized whole (see _count_in_windows).
+COUNT_WINDOW_CHARS = 32768
+# How many tokens one window cut may add or remove against tokenizing the whole text: the pieces around a
+# cut (a word split in two, a prefix a normalizer adds to each window) differ, the rest is the same.
+COUNT_SLACK_PER_CUT = 8
 
-    def __init__(self, num_tokens: int) -> None:
-        super().__init__(f"the text is {num_tokens} tokens")
+
+class TooManyTokens(ValueError):
+    """Tokenizer.encode's result is over its `max_tokens`; `num_tokens` says by how much (with `at_least`,
+    a lower bound found without tokenizing the whole text)."""
+
+    def __init__(self, num_tokens: int, at_least: bool = False) -> None:
+        super().__init__(f"the text is {'at least ' if at_least else ''}{num_tokens} tokens")
         self.num_tokens = num_tokens
+        self.at_least = at_least
+
+
+_UNICODE_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+
+
+def _window_end(text: str, start: int) -> int:
+    """Where a counting window from `start` ends: at a space or newline near COUNT_WINDOW_CHARS (a word
+    boundary, where tokenizers split anyway), else right there."""
+    end = start + COUNT_WINDOW_CHARS
+    if end >= len(text):
+        return len(text)
+    cut = max(text.rfind(" ", end - 256, end), text.rfind("\n", end - 256, end))
+    return cut if cut > start else end
 
 
 def _gpt2_byte_map() -> dict[str, int]:
@@ -138,6 +160,7 @@ class Tokenizer:
         else:
             self.decode_mode = WINDOW
         self._lock = threading.Lock()
+        self._max_token_chars: int | None = None
         self._bytes: list[bytes] | None = None
         self._byte_values: list[int] | None = None  # PIECES: byte of a <0xNN> piece, else -1
         self._skip_tables: tuple[list[bytes], list[int]] | None = None
@@ -193,6 +216,8 @@ class Tokenizer:
         TooManyTokens before its ids become a Python list (a tenth of a second per million)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if max_tokens is not None and len(text) > max_tokens:
+            self._refuse_early(text, max_tokens)
         if len(text) > RELEASE_GIL_AT:
             # The batch call runs without the GIL; the single one holds it for the whole text (about
             # 3 s for 6 MB), which stalls the event loop even when called from a worker thread.
@@ -202,6 +227,43 @@ class Tokenizer:
         if max_tokens is not None and len(encoding) > max_tokens:
             raise TooManyTokens(len(encoding))
         return encoding.ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its bytes bound its characters): a text of n
+        (normalized) characters is at least n / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max(map(len, self.vocab_bytes()), default=1))
+        return self._max_token_chars
+
+    def _refuse_early(self, text: str, max_tokens: int) -> None:
+        """Raise TooManyTokens for a text surely over `max_tokens`, in memory bounded by the limit rather than
+        the text: first its length against max_tokens x the longest token (no tokenizing at all), then a count
+        in windows that stops once it is past the limit. A text this lets through is tokenized whole after;
+        at that size its Encoding (a hundred-odd bytes a token) is bounded by the limit too."""
+        normalizer = self._tok.normalizer
+        # A normalizer may shrink text (NFC composes characters): count what the model sees. The Unicode
+        # forms leave ASCII as it is, which spares a copy of the commonest long text.
+        if normalizer is None or (type(normalizer).__name__ in _UNICODE_FORMS and text.isascii()):
+            size = len(text)
+        else:
+            size = len(normalizer.normalize_str(text))
+        floor = -(-size // self.max_token_chars)
+        if floor > max_tokens:
+            raise TooManyTokens(floor, at_least=True)
+        if len(text) <= 2 * COUNT_WINDOW_CHARS:
+            return
+        count = cuts = 0
+        start = 0
+        while start < len(text):
+            end = _window_end(text, start)
+            # Without the GIL; each window's Encoding is dropped before the next is made.
+            count += len(self._tok.encode_batch([text[start:end]], add_special_tokens=False)[0])
+            start = end
+            cuts += 1
+            floor = count - COUNT_SLACK_PER_CUT * cuts
+            if floor > max_tokens:
+                raise TooManyTokens(floor, at_least=True)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts at once; the Rust side runs them in parallel without the GIL."""

@@ -102,6 +102,8 @@ def test_shutdown_timeout_bounds_the_exit_when_a_request_outlasts_it():
         assert server.wait(30) == 0
         assert time.monotonic() - began < 2 + 1.5  # the timeout, plus the interpreter's own exit
         stream.join(10)
-        assert not stream.done  # cut short: no [DONE]
+        # Cut short, and told so (issue 13): a server_shutdown error event, then [DONE] and the chunked end.
+        assert stream.error is None and stream.done, stream.error
+        assert stream.events[-1]["error"]["code"] == "server_shutdown"
     finally:
         server.kill()

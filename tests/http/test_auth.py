@@ -1,4 +1,5 @@
-"""Bearer API keys on /v1/* with 401 in OpenAI's shape; /health and /metrics stay open."""
+"""Bearer API keys on every path with 401 in OpenAI's shape; /health, /ready and /metrics stay open, and
+--open-paths opens more."""
 from __future__ import annotations
 
 import pytest
@@ -59,10 +60,25 @@ async def test_handler_sees_which_key_passed():
     r = router()
     r.add("GET", "/v1/whoami", whoami)
     r.add("GET", "/whoami", whoami)
-    async with serve(r, api_key=["sk-one", "sk-two"]) as server, client(server.port) as c:
+    async with serve(r, api_key=["sk-one", "sk-two"], open_paths=["/whoami"]) as server, client(server.port) as c:
         await c.request("GET", "/v1/whoami", headers=[("Authorization", "Bearer sk-two")])
         await c.request("GET", "/whoami", headers=[("Authorization", "Bearer sk-two")])
     assert seen == ["sk-two", None]  # open paths are not checked, so no key is vouched for
+
+
+async def test_paths_outside_v1_need_the_key_too_unless_opened():
+    r = router()
+    r.add("POST", "/tokenize", ok)
+    r.add("GET", "/version", ok)
+    async with serve(r, api_key=["sk-one"]) as server, client(server.port) as c:
+        assert (await c.request("POST", "/tokenize", b"{}")).status == 401
+        assert (await c.request("GET", "/version")).status == 401
+        assert (await c.request("GET", "/unknown")).status == 401  # nothing about the routes leaks either
+        auth = [("Authorization", "Bearer sk-one")]
+        assert (await c.request("POST", "/tokenize", b"{}", headers=auth)).status == 200
+    async with serve(r, api_key=["sk-one"], open_paths=["/tokenize"]) as server, client(server.port) as c:
+        assert (await c.request("POST", "/tokenize", b"{}")).status == 200
+        assert (await c.request("GET", "/version")).status == 401
 
 
 async def test_health_and_metrics_stay_open():

@@ -204,10 +204,22 @@ async def test_idle_keep_alive_connection_is_closed_quietly():
         assert await c.read_until_closed(timeout=1.5) == b""
 
 
-async def test_connection_that_never_sends_is_closed_after_the_header_timeout():
-    async with serve(echo_router(), header_timeout_s=0.2) as server, client(server.port) as c:
+async def test_connection_that_never_sends_is_closed_after_the_first_byte_timeout():
+    async with serve(echo_router(), first_byte_timeout_s=0.2, keep_alive_s=5.0) as server, \
+            client(server.port) as c:
+        started = time.monotonic()
         assert await c.read_until_closed(timeout=1.5) == b""
+        assert time.monotonic() - started < 1.0  # the first byte's wait, not keep-alive's
         assert server.num_connections == 0
+
+
+async def test_a_first_byte_starts_the_header_timeout():
+    async with serve(echo_router(), first_byte_timeout_s=0.2, header_timeout_s=0.6) as server, \
+            client(server.port) as c:
+        await c.send(b"GET /echo HTTP/1.1\r\n")
+        await asyncio.sleep(0.4)  # past the first byte's wait; the head's own has not run out
+        await c.send(b"Host: test\r\n\r\n")
+        assert (await c.read_reply()).status == 200
 
 
 async def test_connection_close_header_is_honoured():

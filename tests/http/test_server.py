@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import time
@@ -40,11 +41,13 @@ async def test_start_on_port_zero_exposes_the_bound_port():
         assert (await c.request("GET", "/fast")).status == 200
 
 
-async def test_connection_over_the_cap_gets_503_and_close():
+async def test_connection_over_the_cap_gets_503_and_close_when_every_connection_is_busy():
     async with serve(slow_router(), max_connections=2) as server:
         async with client(server.port) as a, client(server.port) as b:
-            assert (await a.request("GET", "/fast")).status == 200
-            assert (await b.request("GET", "/fast")).status == 200
+            await a.send(build_request("GET", "/slow?s=2"))
+            await b.send(build_request("GET", "/slow?s=2"))
+            while server.num_in_flight < 2:
+                await asyncio.sleep(0.01)
             async with client(server.port) as third:
                 reply = await third.read_reply()
                 assert reply.status == 503 and reply.headers["connection"] == "close"
@@ -98,7 +101,40 @@ async def test_drain_timeout_cancels_requests_still_in_flight():
         await server.shutdown()
         assert 0.1 < time.monotonic() - began < 0.5  # the whole shutdown fits in drain_timeout_s, give or take the box
         assert cancelled == ["/slow"]
+        reply = await busy.read_reply()  # told why, rather than cut off
+        assert reply.status == 503 and reply.json()["error"]["code"] == "server_shutdown"
+        assert reply.headers["connection"] == "close"
         assert await busy.is_closed()
+
+
+async def test_drain_timeout_ends_a_running_stream_with_an_error_event_done_and_the_chunked_end():
+    from rawserve.http import SSEResponse
+
+    started = asyncio.Event()
+
+    async def events():
+        yield {"n": 1}
+        started.set()
+        await asyncio.sleep(30)
+        yield {"n": 2}
+
+    async def stream(request: Request) -> SSEResponse:
+        return SSEResponse(events())
+
+    router = slow_router()
+    router.add("GET", "/stream", stream)
+    server = HTTPServer(make_config(drain_timeout_s=0.2), router)
+    await server.start()
+    async with client(server.port) as c:
+        await c.send(build_request("GET", "/stream"))
+        await started.wait()
+        await server.shutdown()
+        reply = await c.read_reply()  # h11 parses it to EndOfMessage: the chunked body ended properly
+        events = [line[6:] for line in reply.body.decode().split("\n\n") if line.startswith("data: ")]
+        assert events[0] == '{"n":1}' and events[-1] == "[DONE]"
+        error = json.loads(events[1])["error"]
+        assert error["code"] == "server_shutdown" and len(events) == 3
+        assert await c.is_closed()
 
 
 async def start_script(drain_timeout_s: float) -> tuple[asyncio.subprocess.Process, int]:
@@ -142,7 +178,8 @@ async def test_second_signal_exits_at_once():
             proc.send_signal(signal.SIGINT)
             assert await asyncio.wait_for(proc.wait(), 5) == 128 + signal.SIGINT
             assert time.monotonic() - began < 1.0
-            assert await busy.is_closed()
+            left = await busy.read_until_closed()  # closed; a 503 server_shutdown if it left before the exit
+            assert left == b"" or (left.startswith(b"HTTP/1.1 503 ") and b"server_shutdown" in left)
     finally:
         if proc.returncode is None:
             proc.kill()

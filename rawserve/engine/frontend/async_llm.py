@@ -6,6 +6,7 @@ and hands each core output to the request's OutputProcessor, acting on what it d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -16,7 +17,7 @@ from typing import Any
 from rawserve.engine.frontend.core_client import CoreClient
 from rawserve.engine.frontend.output_processor import OutputProcessor, TextOutput
 from rawserve.engine.frontend.request_stream import RequestState, RequestStream
-from rawserve.engine.messages import Message, MsgKind
+from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
 from rawserve.engine.rules import check_one_sample
 from rawserve.engine.types import AddRequest, EngineStats, RequestOutput, SamplingParams
 from rawserve.errors import EngineDead, Overloaded
@@ -68,6 +69,8 @@ class AsyncLLM:
         self._is_stopped = False
         self._lora_tokens = itertools.count()
         self._lora_waiters: dict[int, asyncio.Future] = {}
+        self._last_heard = time.monotonic()  # when the core last sent anything (its heartbeat included)
+        self._is_stalled = False  # for the log: said once when a stall is seen, once when it ends
 
     # ----- public state
 
@@ -91,6 +94,24 @@ class AsyncLLM:
     @property
     def num_in_flight(self) -> int:
         return len(self._states)
+
+    def stall_reason(self, timeout_s: float) -> str | None:
+        """Why the engine looks frozen, or None: requests are waiting and the core has sent nothing, not even
+        its heartbeat (every HEARTBEAT_INTERVAL_S), for `timeout_s`. It clears when the core speaks again."""
+        silent_s = time.monotonic() - self._last_heard
+        waiting = 0
+        if silent_s >= timeout_s and self._dead_reason is None:
+            waiting = sum(1 for state in self._states.values() if not state.is_finished)
+        if not waiting:
+            if self._is_stalled:
+                self._is_stalled = False
+                log.warning("engine core is responding again")
+            return None
+        if not self._is_stalled:
+            self._is_stalled = True
+            log.error("engine core has sent nothing for %.1f s with %d request(s) waiting", silent_s, waiting)
+        return (f"the engine core has sent nothing for {silent_s:.1f} s (its heartbeat comes every "
+                f"{HEARTBEAT_INTERVAL_S:g} s) while {waiting} request(s) wait")
 
     def render_metrics(self) -> str:
         stats = self._core_stats
@@ -258,6 +279,8 @@ class AsyncLLM:
     def _fail(self, state: RequestState, error: BaseException) -> None:
         if state.is_finished and state.pending is not None and state.pending.finished:
             return  # it completed; let the consumer read the end
+        if not state.is_finished:  # counted once: a request that had already ended was counted then
+            self.metrics.inc("request_success_total", label_value="error")
         state.is_finished = True
         if state.timer is not None:
             state.timer.cancel()
@@ -278,6 +301,7 @@ class AsyncLLM:
     # ----- messages from the core (event loop thread; CoreClient's pump posts them)
 
     def _handle_messages(self, msgs: list[Message]) -> None:
+        self._last_heard = time.monotonic()
         for kind, payload in msgs:
             if kind == MsgKind.OUTPUTS:
                 self._on_outputs(payload)
@@ -308,10 +332,14 @@ class AsyncLLM:
                     future.set_result((error, code))
             elif kind == MsgKind.FATAL:
                 self._die(payload)
+            elif kind == MsgKind.HEARTBEAT:
+                pass  # heard: that is all it says
             else:
                 log.error("frontend ignores unknown core message %r", kind)
 
     def _on_stats(self, stats: EngineStats) -> None:
+        if self._dead_reason is not None:
+            return  # its last words: the gauges of a dead core stay at zero
         self._core_stats = stats
         self.metrics.set_total("prefix_cache_queries_total", stats.prefix_cache_queries)
         self.metrics.set_total("prefix_cache_hits_total", stats.prefix_cache_hits)
@@ -322,6 +350,10 @@ class AsyncLLM:
         if self._dead_reason is None:
             self._dead_reason = reason
             log.error("engine is dead: %s", reason)
+            # Nothing runs, waits or holds KV any more; the counters keep their totals.
+            self._core_stats = dataclasses.replace(self._core_stats, num_running=0, num_waiting=0,
+                                                   kv_cache_usage=0.0, num_free_blocks=self._core_stats.num_blocks,
+                                                   extra={})
         if not self._ready.done():
             self._ready.set_exception(EngineDead(self._dead_reason))
             self._ready.exception()  # retrieved: start() reports it from _dead_reason
