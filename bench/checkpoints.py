@@ -31,6 +31,12 @@ QWEN3_06B = Qwen3Shape(vocab_size=151936, hidden_size=1024, intermediate_size=30
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True)
+# llama.cpp's side-by-side tiny model (../shared/peers/make_checkpoint.py TINY): the 152k vocabulary dominates.
+QWEN3_TINY = Qwen3Shape(vocab_size=151936, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True)
+SHAPES = {"0.6b": QWEN3_06B, "tiny": QWEN3_TINY}
 SEED = 0
 # Qwen3's ids: <|endoftext|> 151643, <|im_end|> 151645; sampling defaults as Qwen3-0.6B publishes them.
 QWEN3_BOS, QWEN3_EOS = 151643, 151645
@@ -38,13 +44,13 @@ QWEN3_GENERATION = {"bos_token_id": QWEN3_BOS, "do_sample": True, "eos_token_id"
                     "pad_token_id": QWEN3_BOS, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 
 
-def write_qwen3_06b_shape(directory: str | pathlib.Path, dtype: str = "float32") -> pathlib.Path:
-    """Write a random Qwen3-0.6B-shaped checkpoint into `directory` and return it.
+def write_qwen3_06b_shape(directory: str | pathlib.Path, dtype: str = "float32", shape: str = "0.6b") -> pathlib.Path:
+    """Write a random Qwen3-0.6B-shaped (or `shape` "tiny") checkpoint into `directory` and return it.
 
     Tensors are drawn and written one at a time, so peak memory is about the largest tensor
     (the 151936 x 1024 embedding: 622 MB in float32), not the 2.4 GB of weights.
     """
-    directory = write_qwen3_checkpoint(directory, QWEN3_06B, seed=SEED, dtype=dtype, bos_token_id=QWEN3_BOS,
+    directory = write_qwen3_checkpoint(directory, SHAPES[shape], seed=SEED, dtype=dtype, bos_token_id=QWEN3_BOS,
                                        eos_token_id=QWEN3_EOS, generation_config=QWEN3_GENERATION)
     copy_qwen3_tokenizer(directory)
     return directory
@@ -68,19 +74,20 @@ def copy_qwen3_tokenizer(directory: pathlib.Path) -> bool:
     return True
 
 
-def _inputs_hash(dtype: str) -> str:
+def _inputs_hash(dtype: str, shape: str = "0.6b") -> str:
     # The bytes depend on the writer's code, this file's shape and seed, and torch's RNG.
     import torch
 
     digest = hashlib.sha256()
     for blob in (pathlib.Path(demo_model.__file__).read_bytes(), pathlib.Path(__file__).read_bytes(),
-                 torch.__version__.encode(), dtype.encode()):
+                 torch.__version__.encode(), dtype.encode(), shape.encode()):
         digest.update(len(blob).to_bytes(8, "little") + blob)
     return digest.hexdigest()[:12]
 
 
-def ensure_qwen3_06b_shape(dtype: str = "float32", cache_dir: str | pathlib.Path | None = None) -> pathlib.Path:
-    """The cached Qwen3-0.6B-shaped checkpoint for `dtype`, written once under .bench_models/.
+def ensure_qwen3_06b_shape(dtype: str = "float32", cache_dir: str | pathlib.Path | None = None,
+                           shape: str = "0.6b") -> pathlib.Path:
+    """The cached Qwen3-0.6B-shaped (or `shape` "tiny") checkpoint for `dtype`, written once under .bench_models/.
 
     Built into a hidden sibling and renamed into place, so an interrupted build leaves no
     half-written entry. Older entries of the same dtype (from a changed writer) are removed:
@@ -89,15 +96,15 @@ def ensure_qwen3_06b_shape(dtype: str = "float32", cache_dir: str | pathlib.Path
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     root = pathlib.Path(cache_dir) if cache_dir is not None else CACHE_ROOT
-    prefix = f"qwen3-0.6b-shape-{dtype}-"
-    final = root / f"{prefix}{_inputs_hash(dtype)}"
+    prefix = f"qwen3-{shape}-shape-{dtype}-"
+    final = root / f"{prefix}{_inputs_hash(dtype, shape)}"
     if not final.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
         try:
             os.chmod(staging, 0o755)
             log.info("writing %s (about 2.4 GB in float32; once)", final)
-            write_qwen3_06b_shape(staging, dtype)
+            write_qwen3_06b_shape(staging, dtype, shape)
             try:
                 os.rename(staging, final)
             except OSError:

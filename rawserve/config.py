@@ -26,6 +26,9 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch",)  # triton kernels are planned; the portable backend runs everywhere
 ENGINE_MODES = ("thread", "process")
 METRICS_COMPAT = ("none", "vllm")
+# --kv-cache-memory-gb auto on a CPU: the share of the memory left after the weights and a step's working
+# memory that the KV cache may take; the rest covers what grows with requests (their state, Python objects).
+CPU_MEMORY_SHARE = 0.8
 
 
 def flag(name: str) -> str:
@@ -55,12 +58,17 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block."})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV cache size in blocks. Overrides --kv-cache-memory-gb."})
-    kv_cache_memory_gb: float = field(default=1.0, metadata={
-        "help": "KV cache budget in GiB, used when --num-kv-blocks and (on a GPU) "
-                "--gpu-memory-utilization are not given."})
+    kv_cache_memory_gb: float | str = field(default="auto", metadata={
+        "help": "KV cache budget in GiB, or auto: what --max-num-seqs x --max-model-len can use, capped on a CPU "
+                f"at {CPU_MEMORY_SHARE:g} of the memory left (the cgroup limit when there is one, else the host's "
+                "available memory) after the weights and a measured step's working memory, and on a GPU by "
+                "--gpu-memory-utilization. The server refuses to start when that cannot hold one --max-model-len "
+                "sequence, or when a budget given here is more than the host can back.",
+        "type": lambda text: text if text == "auto" else float(text)})
     gpu_memory_utilization: float | None = field(default=None, metadata={
         "help": "vLLM's flag: on a GPU, size the KV cache as this fraction (0..1] of the device memory "
-                "free once the weights are loaded. Overrides --kv-cache-memory-gb there; ignored on a CPU."})
+                "free once the weights are loaded (auto: 0.9). Overrides --kv-cache-memory-gb there; ignored "
+                "on a CPU."})
     max_num_seqs: int = field(default=256, metadata={"help": "Most sequences in one step's batch."})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "Token budget of one step (prefill chunks + decodes)."})
@@ -119,7 +127,12 @@ class EngineConfig:
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
                f"must be a power of two, got {self.block_size}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
+        if self.kv_cache_memory_gb != "auto":
+            try:
+                self.kv_cache_memory_gb = float(self.kv_cache_memory_gb)
+            except (TypeError, ValueError):
+                _check(False, "kv_cache_memory_gb", f"must be auto or a number of GiB, got {self.kv_cache_memory_gb!r}")
+            _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
         _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -301,7 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             if "nargs" in f.metadata:
                 kwargs["nargs"] = f.metadata["nargs"]
         else:
-            kwargs["type"] = _scalar_type(tp)
+            kwargs["type"] = f.metadata.get("type", _scalar_type(tp))
             kwargs["default"] = f.default
         group.add_argument(flag(f.name), *f.metadata.get("aliases", ()), **kwargs)
         for negative in f.metadata.get("negative_aliases", ()):

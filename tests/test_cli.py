@@ -188,7 +188,8 @@ def test_console_script_serves_with_a_process_core_and_logs_startup_and_access(d
     assert server.proc.returncode == 0
     summary = next(line for line in log.splitlines() if "listening on http://127.0.0.1:" in line and "serving" in line)
     for part in ("Qwen3ForCausalLM", "parameters", "dtype float32", "device cpu", "max_model_len 512",
-                 "KV cache 1024 tokens (64 blocks of 16)", "engine in a process", "API key off"):
+                 "KV cache 1024 tokens (64 blocks of 16, 2.0 MiB) [--num-kv-blocks]", "engine in a process",
+                 "API key off"):
         assert part in summary, (part, summary)
     # The spawned core logs too (its model line), in the same format, under its own process name.
     assert re.search(r" INFO rawserve-core rawserve\.engine: model .* on cpu", log), log

@@ -21,15 +21,21 @@ from rawserve.metrics import CONTENT_TYPE
 TOKENIZE_MAX_TOKENS = 1 << 17  # /tokenize's limit when the context is shorter
 
 
+def _capacity(ctx: ServingContext) -> dict:
+    """vLLM's max_model_len, and (rawserve's) the KV pool all requests share, in tokens and bytes."""
+    return {"max_model_len": ctx.max_model_len, "kv_cache_tokens": ctx.kv_cache.get("tokens"),
+            "kv_cache_bytes": ctx.kv_cache.get("bytes")}
+
+
 def model_card(ctx: ServingContext) -> dict:
     return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "rawserve",
-            "root": ctx.model_name, "parent": None, "max_model_len": ctx.max_model_len}
+            "root": ctx.model_name, "parent": None, **_capacity(ctx)}
 
 
 def lora_card(ctx: ServingContext, name: str) -> dict:
     """An adapter as vLLM lists it: its own id, its directory as root, the base model as parent."""
     return {"id": name, "object": "model", "created": ctx.created, "owned_by": "rawserve",
-            "root": ctx.loras[name], "parent": ctx.model_name, "max_model_len": ctx.max_model_len}
+            "root": ctx.loras[name], "parent": ctx.model_name, **_capacity(ctx)}
 
 
 async def list_models(ctx: ServingContext, request: Request) -> JSONResponse:

@@ -23,7 +23,7 @@ from rawserve.api.serving import ServingContext
 from rawserve.api.status_log import StatsLogger, startup_summary
 from rawserve.config import EngineConfig, ServerConfig
 from rawserve.engine.frontend.async_llm import AsyncLLM
-from rawserve.engine.launch import CoreFactory
+from rawserve.engine.launch import CoreFactory, kv_capacity
 from rawserve.http import HTTPServer, Router, bind_socket
 from rawserve.metrics import Metrics
 from rawserve.text.chat_template import load_chat_template
@@ -128,7 +128,8 @@ class OpenAIServer:
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
                              self.server_config.reasoning_parser, self.server_config.tool_call_parser,
                              loras=dict(info.get("loras") or {}), limiter=self.limiter,
-                             per_key_cache_salt=self.server_config.per_key_cache_salt)
+                             per_key_cache_salt=self.server_config.per_key_cache_salt,
+                             kv_cache=kv_capacity(info))
         self.context = ctx
         # The HTTP layer checks every accepted key, the file's included.
         http_config = dataclasses.replace(self.server_config, api_key=list(self.api_keys))

@@ -53,6 +53,7 @@ class ServingContext:
     loras: dict[str, str] = field(default_factory=dict)  # LoRA adapters requests may select: name -> directory
     limiter: RateLimiter | None = None  # per-key token buckets (--rate-limit-tpm); None: unlimited
     per_key_cache_salt: bool = True  # each API key's prefix-cache blocks are its own
+    kv_cache: dict[str, int] = field(default_factory=dict)  # the pool's capacity: {"tokens", "bytes"} (READY's)
 
     def caller(self, request: Request) -> Caller:
         """Who sent `request`, as admission needs it: its API key and its own deadline (a 400 if malformed)."""

@@ -71,7 +71,12 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
     num_params = info.get("num_params", num_params)
     num_blocks = info.get("num_blocks")
     block_size = info.get("block_size", engine_config.block_size)
-    kv = f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})" if num_blocks else "?"
+    kv = f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}" if num_blocks else "?"
+    if num_blocks:
+        kv_bytes = info.get("kv_cache_bytes")
+        kv += (f", {kv_bytes / (1 << 20):.1f} MiB" if isinstance(kv_bytes, int) else "") + ")"
+        if info.get("kv_cache_reason"):
+            kv += f" [{info['kv_cache_reason']}]"
     host = server_config.host
     url = f"{server_config.scheme}://{'[' + host + ']' if ':' in host else host}:{port}/v1"
     lora = ""

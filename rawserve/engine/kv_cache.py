@@ -67,7 +67,7 @@ class KVCacheManager:
         self.ref_counts = [0] * num_blocks
         self.block_keys: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # key -> the block holding that prefix
-        self.free_plain: deque[int] = deque(range(num_blocks))
+        self.free_plain: deque[int] = deque(range(num_blocks))  # fresh blocks lowest first (see free)
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first: eviction order
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found
@@ -147,8 +147,8 @@ class KVCacheManager:
             if count == 0:
                 if self.block_keys[block] is not None:
                     self.free_cached[block] = None
-                else:
-                    self.free_plain.append(block)
+                else:  # reused first: fresh blocks stay untouched (unzeroed, unmapped) while recycled ones do
+                    self.free_plain.appendleft(block)
         block_ids.clear()
 
     def publish_full_blocks(self, block_ids: list[int], block_hashes: list[bytes], num_published: int,

@@ -30,7 +30,7 @@ class CoreFactory:
 
 def describe_core(core: Any) -> dict:
     """What the startup summary needs that only the core knows: the resolved device and dtype, the
-    parameter count, the block size. Read defensively: a test's fake core has none of it."""
+    parameter count, the block size, the KV pool's bytes and why it has that size. Read defensively: a test's fake core has none of it."""
     runner = getattr(core, "runner", None)
     out: dict = {}
     if runner is not None:
@@ -43,6 +43,19 @@ def describe_core(core: Any) -> dict:
             out["num_params"] = sum(p.numel() for p in model.parameters())
     if isinstance(getattr(core, "block_size", None), int):
         out["block_size"] = core.block_size
+    plan = getattr(runner, "kv_plan", None)
+    if plan is not None:
+        out["kv_cache_bytes"], out["kv_cache_reason"] = plan.num_bytes, plan.reason
+    return out
+
+
+def kv_capacity(info: dict) -> dict[str, int]:
+    """The KV pool's {"tokens", "bytes"} from the core's READY info (what it knows of them)."""
+    out = {}
+    if isinstance(info.get("num_blocks"), int) and isinstance(info.get("block_size"), int):
+        out["tokens"] = info["num_blocks"] * info["block_size"]
+    if isinstance(info.get("kv_cache_bytes"), int):
+        out["bytes"] = info["kv_cache_bytes"]
     return out
 
 

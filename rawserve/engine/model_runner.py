@@ -10,12 +10,14 @@ import platform
 
 import torch
 
-from rawserve.config import EngineConfig
+from rawserve.config import CPU_MEMORY_SHARE, EngineConfig
+from rawserve.engine import memory
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.loader import ModelConfig, load_weights, read_model_config
+from rawserve.engine.loader import ModelConfig, load_weights, read_model_config, read_safetensors_header, \
+    safetensors_files
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
-from rawserve.engine.step_plan import ForwardBatch
+from rawserve.engine.step_plan import ForwardBatch, StepInput
 
 log = logging.getLogger("rawserve.engine")
 
@@ -68,10 +70,29 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     with torch.device("meta"):
         model = DecoderModel(cfg, dtype)
     model.to_empty(device=device)
+    prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
+    model.narrow_embedding(head_packed=prepack)
     load_weights(model_dir, model.targets())
-    if prepack and device.type == "cpu" and cpu_prepack_supported(dtype):
+    if prepack:
         model.prepack()
     return model.eval()
+
+
+def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelConfig, device: torch.device) -> int:
+    """Bytes the loaded weights take at `dtype`, from the safetensors headers (nothing read but them), with
+    the second copy a CPU's pre-packed tied LM head keeps (DecoderModel.prepack)."""
+    size = torch.finfo(dtype).bits // 8
+    packed = device.type == "cpu" and cpu_prepack_supported(dtype)
+    total = 0
+    for file in safetensors_files(model_dir):
+        for entry in read_safetensors_header(file):
+            if entry.dtype.is_floating_point:
+                # DecoderModel.narrow_embedding: an embedding no matmul reads stays at the checkpoint's dtype
+                narrow = entry.name == "model.embed_tokens.weight" and (packed or not cfg.tie_word_embeddings)
+                total += entry.num_bytes // entry.dtype.itemsize * (min(size, entry.dtype.itemsize) if narrow else size)
+    if cfg.tie_word_embeddings and packed:
+        total += cfg.vocab_size * cfg.hidden_size * size
+    return total
 
 
 class ModelRunner:
@@ -90,37 +111,97 @@ class ModelRunner:
         self.eos_token_ids = cfg.eos_token_ids
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        # Without --num-kv-blocks (and off a GPU), the pool is sized from what this process may still use,
+        # so read it first: a limit the weights alone do not fit is refused here rather than OOM-killed later.
+        sizes_by_memory = config.num_kv_blocks is None and self.device.type == "cpu"
+        if sizes_by_memory:
+            self._check_weights_fit(memory.headroom())
         self.model = load_model(config.model_dir, self.dtype, self.device, cfg)
         self.model.init_rope(self.max_model_len, self.device)
         self.lora: LoraWeights | None = None
         if config.lora_enabled:
             self.lora = LoraWeights(cfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
             self.model.enable_lora(self.lora)
-        self.num_blocks = self._num_blocks()
+        self._num_zeroed = 0  # leading blocks of the pool written with zeros (see _zero_blocks)
+        margin = self._profile_step() if sizes_by_memory and config.kv_cache_memory_gb == "auto" else 0
+        self.kv_plan = self._plan(memory.headroom() if sizes_by_memory else None, margin)
+        self.num_blocks = self.kv_plan.num_blocks
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not left empty: masked-out slots are multiplied by 0 probability, and 0 * NaN is NaN.
-        # Written with zero_() rather than torch.zeros: calloc'ed pages stay unmapped until written, and
-        # gathers from them ran 10-40x slower on CPU. This commits the whole pool at start, as on a GPU.
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device).zero_(),
-                           torch.empty(shape, dtype=self.dtype, device=self.device).zero_())
+        # Left empty: blocks are zeroed as the scheduler first hands them out (_zero_blocks), so a pool sized
+        # for the worst case costs memory only as far as it is used.
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
-        log.info("model %s: %s on %s, %d KV blocks of %d tokens", config.model_dir, self.dtype, self.device,
-                 self.num_blocks, self.block_size)
+        self._num_zeroed = 0
+        log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s): %s", config.model_dir, self.dtype,
+                 self.device, self.num_blocks * self.block_size, self.num_blocks, self.block_size,
+                 memory.mib(self.kv_plan.num_bytes), self.kv_plan.reason)
 
-    def _num_blocks(self) -> int:
+    @property
+    def block_bytes(self) -> int:
         cfg = self.model_config
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        bytes_per_block = (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
-                           * torch.finfo(self.dtype).bits // 8)
-        memory_bytes = self.config.kv_cache_memory_gb * (1 << 30)
-        if self.config.gpu_memory_utilization is not None and self.device.type == "cuda":
+        return (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
+                * torch.finfo(self.dtype).bits // 8)
+
+    def _check_weights_fit(self, room: memory.Headroom) -> None:
+        """Refuse (ValueError, with the numbers) a process that cannot hold the weights at all."""
+        need = weight_bytes(self.config.model_dir, self.dtype, self.model_config, self.device)
+        if need > room.available_bytes:
+            raise ValueError(f"not enough memory for the weights: they need {memory.mib(need)} as "
+                             f"{str(self.dtype).removeprefix('torch.')}, and {memory.mib(room.available_bytes)} "
+                             f"is left under the {room.source}")
+
+    def _profile_step(self) -> int:
+        """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens
+        tokens with --max-num-seqs logit rows, and the sampler's sort of them, measured as the rise of this
+        process's peak RSS. Runs against a one-block KV pool every slot maps to (the values are garbage)."""
+        cfg, bs = self.model_config, self.block_size
+        num_tokens = self.config.max_num_batched_tokens
+        seqs, left = [], num_tokens
+        while left > 0:
+            n = min(left, self.max_model_len)
+            seqs.append(StepInput(token_ids=[0] * n, num_computed_tokens=0, block_table=[0] * -(-n // bs)))
+            left -= n
+        rows = min(self.config.max_num_seqs, num_tokens)
+        batch = ForwardBatch(seqs, [num_tokens - 1 - i * (num_tokens // rows) for i in range(rows)][::-1])
+        one = (1, bs, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.empty(one, dtype=self.dtype), torch.empty(one, dtype=self.dtype))
+                          for _ in range(cfg.num_layers)]
+        memory.reset_peak_rss()
+        before = memory.rss_bytes()
+        logits = self.execute(batch)
+        torch.sort(logits.softmax(-1), dim=-1, descending=True)
+        margin = max(0, memory.rss_bytes("VmHWM") - before)
+        del logits
+        self.kv_caches = []
+        return margin
+
+    def _plan(self, room: memory.Headroom | None, margin: int) -> memory.KVPlan:
+        config = self.config
+        device_budget = None
+        if self.device.type == "cuda" and config.num_kv_blocks is None and (
+                config.gpu_memory_utilization is not None or config.kv_cache_memory_gb == "auto"):
+            utilization = config.gpu_memory_utilization or 0.9
             free_bytes, _ = torch.cuda.mem_get_info(self.device)  # the weights are loaded: this is what is left
-            memory_bytes = self.config.gpu_memory_utilization * free_bytes
-        budget = int(memory_bytes) // bytes_per_block
-        # More blocks than every sequence at full length could use is memory for nothing.
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(budget, useful))
+            device_budget = (int(utilization * free_bytes), f"--gpu-memory-utilization {utilization:g} of "
+                                                             f"{memory.mib(free_bytes)} free on {self.device}")
+        return memory.plan_kv_cache(
+            block_bytes=self.block_bytes, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, num_kv_blocks=config.num_kv_blocks,
+            memory_gb=config.kv_cache_memory_gb, room=room, margin_bytes=margin, share=CPU_MEMORY_SHARE,
+            device_budget=device_budget)
+
+    def _zero_blocks(self, top: int) -> None:
+        """Zero blocks [_num_zeroed, top) before a step reads them. Never-written slots are read (and masked
+        by a 0 probability), and 0 * NaN is NaN, so they must hold zeros, not whatever the allocator left.
+        Zeroing on first use rather than at start keeps an unused pool unmapped; the KV manager hands out
+        fresh blocks lowest first, so the zeroed prefix grows with peak use."""
+        if top <= self._num_zeroed:
+            return
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[self._num_zeroed:top].zero_()
+            v_cache[self._num_zeroed:top].zero_()
+        self._num_zeroed = top
 
     def _metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                       torch.Tensor]:
@@ -161,6 +242,7 @@ class ModelRunner:
         # One tensor build from padded lists: a tensor per row costs microseconds each at 256 rows.
         tables = torch.tensor([inp.block_table + [0] * (max_blocks - len(inp.block_table)) for inp in inputs],
                               dtype=torch.int64)
+        self._zero_blocks(int(tables.max()) + 1)
         dev = self.device
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
         decode_ids = torch.tensor(decode_seq, dtype=torch.int64)

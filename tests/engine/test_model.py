@@ -128,3 +128,20 @@ def test_prepacked_cpu_weights_give_the_same_logits_as_dense(tiny_qwen3_dir):
         layer.packed.clear()
     dense = prefill_in_chunks(runner, ids, blocks_for(12, first=20), [12])
     torch.testing.assert_close(packed, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_tied_checkpoint_in_float32_keeps_its_embedding_narrow_and_matches_transformers(tmp_path):
+    """The tied head is packed for the matmul; the dense rows kept for lookups stay at the checkpoint's bf16
+    (half the bytes) and the logits still match transformers in float32."""
+    from rawserve.engine.models.decoder import cpu_prepack_supported
+
+    path = make_hf_checkpoint(tmp_path / "bf16", "qwen3", tied=True, dtype="bfloat16")
+    runner = make_runner(path, "float32")
+    embed = runner.model.embed_tokens
+    if cpu_prepack_supported(torch.float32):
+        assert runner.model.packed_head is not None and embed.dtype == torch.bfloat16
+    else:  # the dense embedding is the head's matmul weight: it stays float32
+        assert embed.dtype == torch.float32
+    ids = prompt_ids(17, seed=4)
+    ours = prefill_in_chunks(runner, ids, blocks_for(17), [17])
+    torch.testing.assert_close(ours, hf_logits(load_hf_model(path, "float32"), ids), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,243 @@
+"""Resident memory of every server process (API and engine core, their children), idle and under 32 streams,
+for rawserve and llama.cpp's llama-server on the same checkpoint, in one run.
+
+python -m bench.memory [--models tiny,0.6b] [--dtypes float32,bfloat16] [--streams 32] [--ctx 256] [-- FLAGS]
+One JSON line per (server, model, dtype). Both servers get the same context capacity: --streams sequences of
+--ctx tokens (rawserve: --max-num-seqs/--max-model-len; llama-server: -np/-c streams*ctx). Checkpoints and GGUFs
+come from ../shared/peers (`run.sh setup`, $PEERS_ROOT); without them rawserve runs alone on bench/checkpoints'
+random checkpoints of the same shapes, and the llama-server line says why it is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from bench.checkpoints import ensure_qwen3_06b_shape, rev
+
+PEERS_ROOT = pathlib.Path(os.environ.get("PEERS_ROOT", pathlib.Path.home() / ".cache" / "rawserve-peers"))
+LLAMA_SERVER = PEERS_ROOT / "llama.cpp" / "build" / "bin" / "llama-server"
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}
+MIB = 1 << 20
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process under it (the spawned engine core, the multiprocessing helpers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def status_kib(pid: int, field: str) -> int:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class RssSampler:
+    """Samples the summed VmRSS of a process tree every 20 ms; `peak_mib` is the largest sum seen (what a
+    container limit meets), `now_mib` one reading."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def now_kib(self) -> int:
+        return sum(status_kib(p, "VmRSS") for p in descendants(self.pid))
+
+    def per_process_mib(self) -> dict[str, float]:
+        out = {}
+        for p in descendants(self.pid):
+            try:
+                name = pathlib.Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:60]
+            except OSError:
+                continue
+            out[f"{p} {name.strip()}"] = round(status_kib(p, "VmRSS") / 1024, 1)
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_kib = max(self.peak_kib, self.now_kib())
+
+    def reset_peak(self) -> None:
+        self.peak_kib = self.now_kib()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not become healthy")
+
+
+def stream_one(port: int, model: str, prompt: str, max_tokens: int, errors: list) -> None:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "ignore_eos": True})
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            errors.append(f"{response.status} {response.read()[:200]!r}")
+            return
+        while response.readline():
+            pass
+    except OSError as error:
+        errors.append(repr(error))
+
+
+def load(port: int, model: str, streams: int, prompt_words: int, max_tokens: int) -> list[str]:
+    """`streams` concurrent streamed completions of distinct prompts, to completion. Returns errors."""
+    words = ("time year people way day man thing woman life child world school state family student group "
+             "country problem hand part place case week company system program question work government number "
+             "night point home water room mother area money story fact month lot right study book eye job word "
+             "business issue side kind head house service friend father power hour game line end member law car "
+             "city community name president team minute idea kid body information back parent face others level "
+             "office door health person art war history party result change morning reason research girl guy "
+             "moment air teacher force education").split()
+    errors: list[str] = []
+    threads = []
+    for i in range(streams):
+        prompt = " ".join(words[(i * 7 + j * 13) % len(words)] for j in range(prompt_words))
+        threads.append(threading.Thread(target=stream_one, args=(port, model, f"{i} {prompt}", max_tokens, errors)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Namespace) -> dict:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    stderr: list[bytes] = []
+    reader = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
+    reader.start()
+    sampler = RssSampler(proc.pid)
+    out: dict = {"bench": "memory", "server": label}
+    try:
+        t0 = time.monotonic()
+        wait_healthy(port, proc)
+        out["startup_s"] = round(time.monotonic() - t0, 1)
+        out["startup_peak_mib"] = round(sampler.peak_kib / 1024, 1)
+        time.sleep(2)
+        out["idle_mib"] = round(sampler.now_kib() / 1024, 1)
+        out["idle_per_process_mib"] = sampler.per_process_mib()
+        sampler.reset_peak()
+        t0 = time.monotonic()
+        errors = load(port, model, args.streams, args.prompt_words, args.max_tokens)
+        out["load_s"] = round(time.monotonic() - t0, 1)
+        out["load_errors"] = errors[:3]
+        out["load_peak_mib"] = round(sampler.peak_kib / 1024, 1)
+        time.sleep(2)
+        out["idle_after_mib"] = round(sampler.now_kib() / 1024, 1)
+        out["peak_mib"] = max(out["startup_peak_mib"], out["load_peak_mib"])
+        startup_lines = [line.decode(errors="replace").strip() for line in stderr
+                         if b"KV cache" in line or b"serving" in line]
+        if startup_lines:
+            out["startup_line"] = startup_lines[-1][-400:]
+    except RuntimeError as error:
+        out["error"] = f"{error}: {b''.join(stderr)[-600:].decode(errors='replace')}"
+    finally:
+        sampler.stop()
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out
+
+
+def checkpoint(model: str, dtype: str) -> tuple[pathlib.Path, pathlib.Path | None]:
+    """(HF checkpoint directory, GGUF file or None): the peers' pair when set up, else our own checkpoint."""
+    peers_dir = PEERS_ROOT / "models" / f"qwen3-{model}-random"
+    gguf = PEERS_ROOT / "gguf" / f"qwen3-{model}-random-{GGUF_TYPES[dtype]}.gguf"
+    if peers_dir.is_dir():
+        return peers_dir, gguf if gguf.is_file() else None
+    return ensure_qwen3_06b_shape(dtype, shape=model), None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny,0.6b")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--ctx", type=int, default=256, help="Tokens per stream of context capacity.")
+    parser.add_argument("--prompt-words", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--no-peer", action="store_true", help="rawserve alone.")
+    parser.add_argument("flags", nargs="*", help="Extra rawserve flags (after --).")
+    args = parser.parse_args()
+    threads = str(os.cpu_count() or 1)
+    for model in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            model_dir, gguf = checkpoint(model, dtype)
+            common = {"model": model, "dtype": dtype, "streams": args.streams, "ctx_tokens": args.streams * args.ctx,
+                      "weight_mib": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / MIB, 1),
+                      "rev": rev()}
+            port = free_port()
+            cmd = [sys.executable, "-m", "rawserve", "serve", str(model_dir), "--port", str(port), "--dtype", dtype,
+                   "--served-model-name", model, "--max-num-seqs", str(args.streams), "--max-model-len",
+                   str(args.ctx), "--engine-mode", "process", "--no-log-requests", *args.flags]
+            print(json.dumps({**common, **measure("rawserve", cmd, port, model, args)}), flush=True)
+            if args.no_peer:
+                continue
+            if gguf is None or not LLAMA_SERVER.is_file():
+                print(json.dumps({**common, "bench": "memory", "server": "llama-server",
+                                  "error": f"not set up: run `bash ../shared/peers/run.sh setup` ({LLAMA_SERVER}, "
+                                           f"{gguf or 'no GGUF'})"}), flush=True)
+                continue
+            port = free_port()
+            cmd = [str(LLAMA_SERVER), "-m", str(gguf), "--alias", model, "--host", "127.0.0.1", "--port", str(port),
+                   "-t", threads, "-tb", threads, "-np", str(args.streams), "-c", str(args.streams * args.ctx),
+                   "-kvu", "--no-webui"]
+            print(json.dumps({**common, **measure("llama-server", cmd, port, model, args)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
