@@ -84,6 +84,9 @@ SPECS: dict[str, MetricSpec] = {
                                                  REQUEST_BUCKETS),
     "iteration_tokens_total": MetricSpec("histogram", "Prompt plus generated tokens per engine step.",
                                          ITERATION_TOKEN_BUCKETS),
+    "kv_cache_bytes": MetricSpec("gauge", "Bytes of the KV cache pool (reserved; pages are committed as blocks are "
+                                          "first used).", vllm=False),
+    "kv_cache_capacity_tokens": MetricSpec("gauge", "Tokens the KV cache pool holds.", vllm=False),
 }
 CACHE_CONFIG_INFO = "cache_config_info"  # a gauge fixed at 1, its value in labels (vLLM's Info emulation)
 

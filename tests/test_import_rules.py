@@ -18,7 +18,7 @@ SEAM = {"rawserve.engine.types", "rawserve.engine.messages", "rawserve.engine.ip
         "rawserve.engine.launch", *(f"rawserve.engine.guided.{name}" for name in (
             "grammar", "nfa", "automaton", "regex", "json_schema", "json_compiler", "json_keywords", "json_strings",
             "json_numbers", "json_formats", "gbnf", "tool_calls"))}
-STDLIB_ONLY = {"rawserve.config", "rawserve.errors", "rawserve.metrics"}
+STDLIB_ONLY = {"rawserve.config", "rawserve.errors", "rawserve.metrics", "rawserve.process_stats"}
 
 
 def module_name(path: pathlib.Path) -> str:

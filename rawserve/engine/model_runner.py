@@ -144,12 +144,24 @@ class ModelRunner:
                 * torch.finfo(self.dtype).bits // 8)
 
     def _check_weights_fit(self, room: memory.Headroom) -> None:
-        """Refuse (ValueError, with the numbers) a process that cannot hold the weights at all."""
+        """Refuse (ValueError, with the numbers) a process that cannot hold the weights and one step: checked
+        before loading, since a limit met while loading or profiling is an OOM kill, not a message."""
         need = weight_bytes(self.config.model_dir, self.dtype, self.model_config, self.device)
-        if need > room.available_bytes:
+        step = self._step_bytes_estimate()
+        if need + step > room.available_bytes:
             raise ValueError(f"not enough memory for the weights: they need {memory.mib(need)} as "
-                             f"{str(self.dtype).removeprefix('torch.')}, and {memory.mib(room.available_bytes)} "
-                             f"is left under the {room.source}")
+                             f"{str(self.dtype).removeprefix('torch.')} and a step about {memory.mib(step)} more, "
+                             f"and {memory.mib(room.available_bytes)} is left under the {room.source}")
+
+    def _step_bytes_estimate(self) -> int:
+        """A worst-case step's working memory from the shapes (what _profile_step then measures): float32 logits
+        of --max-num-seqs rows, with the sampler's softmax and sort (values and int64 ids), and the
+        activations of --max-num-batched-tokens tokens."""
+        cfg = self.model_config
+        num_tokens = self.config.max_num_batched_tokens
+        rows = min(self.config.max_num_seqs, num_tokens)
+        width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        return 4 * (5 * rows * cfg.vocab_size + num_tokens * width)
 
     def _profile_step(self) -> int:
         """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens

@@ -100,7 +100,10 @@ HELLO = [{"role": "user", "content": "Tell me a story about a dragon."}]
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
-    assert client.models.retrieve(MODEL).id == MODEL
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL
+    # vLLM's max_model_len, and the KV pool: 256 blocks of 16 tokens, 4 layers x K and V x 2 heads x 32 x 4 bytes
+    assert (card.max_model_len, card.kv_cache_tokens, card.kv_cache_bytes) == (1024, 4096, 4096 * 4 * 2 * 2 * 32 * 4)
 
 
 def test_chat_stream_concatenates_to_the_non_streamed_greedy_answer(client):
@@ -211,6 +214,11 @@ def test_health_metrics_tokenize_detokenize(server, client):
     assert code == 200
     text = payload.decode()
     assert re.search(r'rawserve:request_success_total\{model_name="demo",finished_reason="length"\} [1-9]', text)
+    assert f'rawserve:kv_cache_bytes{{model_name="demo"}} {4096 * 4 * 2 * 2 * 32 * 4}' in text
+    assert 'rawserve:kv_cache_capacity_tokens{model_name="demo"} 4096' in text
+    rss = float(re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M).group(1))
+    assert 20 << 20 < rss < 64 << 30
+    assert "engine_core_resident_memory_bytes" not in text  # a core thread's memory is this process's
     code, payload = raw(server, "POST", "/tokenize", json.dumps({"prompt": "héllo wörld"}).encode())
     tokens = json.loads(payload)["tokens"]
     code, payload = raw(server, "POST", "/detokenize", json.dumps({"tokens": tokens}).encode())

@@ -17,11 +17,13 @@ from typing import Any
 from rawserve.engine.frontend.core_client import CoreClient
 from rawserve.engine.frontend.output_processor import OutputProcessor, TextOutput
 from rawserve.engine.frontend.request_stream import RequestState, RequestStream
+from rawserve.engine.launch import kv_capacity
 from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
 from rawserve.engine.rules import check_one_sample
 from rawserve.engine.types import AddRequest, EngineStats, RequestOutput, SamplingParams
 from rawserve.errors import EngineDead, Overloaded
 from rawserve.metrics import FINISH_REASONS, Metrics
+from rawserve.process_stats import render_process_metrics
 
 __all__ = ["AsyncLLM", "RequestStream", "TextOutput"]
 
@@ -115,13 +117,16 @@ class AsyncLLM:
 
     def render_metrics(self) -> str:
         stats = self._core_stats
+        info = self._info or {}
+        capacity = kv_capacity(info)
         page = self.metrics.render({
             "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
-            "kv_cache_usage_perc": stats.kv_cache_usage, "requests_in_flight": len(self._states)})
+            "kv_cache_usage_perc": stats.kv_cache_usage, "requests_in_flight": len(self._states),
+            "kv_cache_bytes": capacity.get("bytes", 0), "kv_cache_capacity_tokens": capacity.get("tokens", 0)})
         lora = stats.extra.get("lora")
         if lora is not None:
             page += self.metrics.render_lora_info(lora["max_lora"], lora["running"], lora["waiting"], time.time())
-        return page
+        return page + render_process_metrics(self.metrics.prefix, self.metrics.model_name, info.get("pid"))
 
     async def lora_op(self, op: str, name: str, path: str | None = None) -> None:
         """Load ("load", name, path) or unload ("unload", name) an adapter in the core and wait for its answer.

@@ -1,0 +1,79 @@
+"""The standard process_* metrics (as Prometheus client libraries export them) read from /proc, and the engine
+core process's resident memory when it runs apart.
+
+Standard library only; on a system without /proc it renders nothing.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import resource
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _boot_time_s() -> float | None:
+    try:
+        for line in pathlib.Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def read_process(pid: int | str = "self") -> dict[str, float] | None:
+    """{resident_memory_bytes, virtual_memory_bytes, cpu_seconds_total, start_time_seconds, open_fds} of a
+    process, from /proc/<pid>/stat and fd/; None when it cannot be read (no /proc, or the process is gone)."""
+    root = pathlib.Path("/proc") / str(pid)
+    try:
+        stat = (root / "stat").read_text()
+        num_fds = len(os.listdir(root / "fd"))
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+    # fields[0] is stat's 3rd field (state): utime is the 14th, so fields[11]; see proc(5)
+    utime, stime, start_ticks = int(fields[11]), int(fields[12]), int(fields[19])
+    boot = _boot_time_s()
+    out = {"virtual_memory_bytes": float(fields[20]), "resident_memory_bytes": float(int(fields[21]) * _PAGE_BYTES),
+           "cpu_seconds_total": (utime + stime) / _TICKS, "open_fds": float(num_fds)}
+    if boot is not None:
+        out["start_time_seconds"] = boot + start_ticks / _TICKS
+    return out
+
+
+_STANDARD = (
+    ("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", "virtual_memory_bytes"),
+    ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", "resident_memory_bytes"),
+    ("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.",
+     "start_time_seconds"),
+    ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.", "cpu_seconds_total"),
+    ("process_open_fds", "gauge", "Number of open file descriptors.", "open_fds"),
+)
+
+
+def _line(name: str, kind: str, help_text: str, value: float, labels: str = "") -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name}{labels} {float(value)!r}\n"
+
+
+def render_process_metrics(prefix: str, model_name: str, core_pid: int | None) -> str:
+    """This process's process_* families, plus `<prefix>engine_core_resident_memory_bytes` and
+    `..._cpu_seconds_total` for a core in another process (`core_pid`): the model and KV cache live there."""
+    own = read_process()
+    if own is None:
+        return ""
+    parts = [_line(name, kind, help_text, own[key]) for name, kind, help_text, key in _STANDARD if key in own]
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        parts.append(_line("process_max_fds", "gauge", "Maximum number of open file descriptors.", soft))
+    core = read_process(core_pid) if core_pid is not None and core_pid != os.getpid() else None
+    if core is not None:
+        label = '{model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"}'
+        parts.append(_line(prefix + "engine_core_resident_memory_bytes", "gauge",
+                           "Resident memory of the engine core process (weights, KV cache) in bytes.",
+                           core["resident_memory_bytes"], label))
+        parts.append(_line(prefix + "engine_core_cpu_seconds_total", "counter",
+                           "User and system CPU time of the engine core process in seconds.",
+                           core["cpu_seconds_total"], label))
+    return "".join(parts)
