@@ -164,6 +164,14 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
         wait_healthy(port, proc)
         out["startup_s"] = round(time.monotonic() - t0, 1)
         out["startup_peak_mib"] = round(sampler.peak_kib / 1024, 1)
+        try:  # rawserve says its KV pool's bytes; llama-server has no such field
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/v1/models")
+            card = json.loads(conn.getresponse().read())["data"][0]
+            if card.get("kv_cache_bytes"):
+                out["kv_mib"] = round(card["kv_cache_bytes"] / MIB, 1)
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
         time.sleep(2)
         out["idle_mib"] = round(sampler.now_kib() / 1024, 1)
         out["idle_per_process_mib"] = sampler.per_process_mib()
@@ -176,10 +184,9 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
         time.sleep(2)
         out["idle_after_mib"] = round(sampler.now_kib() / 1024, 1)
         out["peak_mib"] = max(out["startup_peak_mib"], out["load_peak_mib"])
-        startup_lines = [line.decode(errors="replace").strip() for line in stderr
-                         if b"KV cache" in line or b"serving" in line]
-        if startup_lines:
-            out["startup_line"] = startup_lines[-1][-400:]
+        summary = [line.decode(errors="replace").strip() for line in stderr if b" serving '" in line]
+        if summary:
+            out["kv_cache"] = summary[-1].partition("KV cache ")[2].partition(", engine in")[0]
     except RuntimeError as error:
         out["error"] = f"{error}: {b''.join(stderr)[-600:].decode(errors='replace')}"
     finally:
@@ -193,13 +200,19 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
     return out
 
 
+WEIGHT_BYTES: dict[pathlib.Path, int] = {}  # checkpoint directory -> bytes per element on disk
+
+
 def checkpoint(model: str, dtype: str) -> tuple[pathlib.Path, pathlib.Path | None]:
     """(HF checkpoint directory, GGUF file or None): the peers' pair when set up, else our own checkpoint."""
     peers_dir = PEERS_ROOT / "models" / f"qwen3-{model}-random"
     gguf = PEERS_ROOT / "gguf" / f"qwen3-{model}-random-{GGUF_TYPES[dtype]}.gguf"
-    if peers_dir.is_dir():
+    if (peers_dir / "model.safetensors").is_file() and (peers_dir / "tokenizer.json").is_file():
+        WEIGHT_BYTES[peers_dir] = 2  # make_checkpoint.py writes bf16
         return peers_dir, gguf if gguf.is_file() else None
-    return ensure_qwen3_06b_shape(dtype, shape=model), None
+    own = ensure_qwen3_06b_shape(dtype, shape=model)
+    WEIGHT_BYTES[own] = 4 if dtype == "float32" else 2
+    return own, None
 
 
 def main() -> None:
@@ -224,7 +237,12 @@ def main() -> None:
             cmd = [sys.executable, "-m", "rawserve", "serve", str(model_dir), "--port", str(port), "--dtype", dtype,
                    "--served-model-name", model, "--max-num-seqs", str(args.streams), "--max-model-len",
                    str(args.ctx), "--engine-mode", "process", "--no-log-requests", *args.flags]
-            print(json.dumps({**common, **measure("rawserve", cmd, port, model, args)}), flush=True)
+            ours = measure("rawserve", cmd, port, model, args)
+            # The idle target: the weights once at the served dtype, the KV pool, and 150 MB.
+            weights = common["weight_mib"] * (4 if dtype == "float32" else 2) / WEIGHT_BYTES.get(model_dir, 2)
+            if "idle_mib" in ours and "kv_mib" in ours:
+                ours["idle_target_mib"] = round(weights + ours["kv_mib"] + 150e6 / MIB, 1)
+            print(json.dumps({**common, **ours}), flush=True)
             if args.no_peer:
                 continue
             if gguf is None or not LLAMA_SERVER.is_file():
@@ -236,7 +254,10 @@ def main() -> None:
             cmd = [str(LLAMA_SERVER), "-m", str(gguf), "--alias", model, "--host", "127.0.0.1", "--port", str(port),
                    "-t", threads, "-tb", threads, "-np", str(args.streams), "-c", str(args.streams * args.ctx),
                    "-kvu", "--no-webui"]
-            print(json.dumps({**common, **measure("llama-server", cmd, port, model, args)}), flush=True)
+            peer = measure("llama-server", cmd, port, model, args)
+            if "peak_mib" in peer and "peak_mib" in ours:
+                peer["rawserve_peak_ratio"] = round(ours["peak_mib"] / peer["peak_mib"], 2)
+            print(json.dumps({**common, **peer}), flush=True)
 
 
 if __name__ == "__main__":

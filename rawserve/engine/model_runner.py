@@ -112,7 +112,7 @@ class ModelRunner:
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         # Without --num-kv-blocks (and off a GPU), the pool is sized from what this process may still use,
-        # so read it first: a limit the weights alone do not fit is refused here rather than OOM-killed later.
+        # so read it first: a limit the weights and one step do not fit is refused here, not OOM-killed later.
         sizes_by_memory = config.num_kv_blocks is None and self.device.type == "cpu"
         if sizes_by_memory:
             self._check_weights_fit(memory.headroom())
