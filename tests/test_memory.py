@@ -10,6 +10,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 
 import pytest
 
@@ -195,10 +196,14 @@ def cgroups():
     made = []
     yield made
     for directory in made:
-        try:
-            directory.rmdir()
-        except OSError:
-            pass
+        deadline = time.monotonic() + 10  # the core and multiprocessing's helper leave it just after the server
+        while directory.exists():
+            try:
+                directory.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
 
 LIMIT = 600 * MIB
@@ -230,9 +235,10 @@ def test_32_streams_complete_in_a_600_mib_cgroup(tmp_path, cgroups):
                               if line.startswith("rawserve:engine_core_resident_memory_bytes{")))
         assert 100 * MIB < core_rss < LIMIT
         assert server.proc.poll() is None
-    peak = int((cgroup / peak_file).read_text())
-    print(f"cgroup peak {peak / MIB:.0f} MiB of {LIMIT / MIB:.0f}")
-    assert peak <= LIMIT
+    if (cgroup / peak_file).exists():  # v2's memory.peak is Linux 5.19+
+        peak = int((cgroup / peak_file).read_text())
+        print(f"cgroup peak {peak / MIB:.0f} MiB of {LIMIT / MIB:.0f}")
+        assert peak <= LIMIT
 
 
 def test_a_limit_too_small_for_the_weights_is_refused_at_start_with_the_numbers(tmp_path, cgroups):
