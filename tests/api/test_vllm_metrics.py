@@ -119,12 +119,16 @@ def test_per_request_histograms_count_the_completion_and_both_namespaces_agree(p
             assert value(fam(f"request_{phase}_time_seconds"), "_count") == 2
         assert value(fam("request_success"), "_total", finished_reason="length") == 2
     rawserve_only = {n for n in got if n.startswith("rawserve:")} - {"rawserve:" + n for n in VLLM}
-    assert rawserve_only == {"rawserve:requests_in_flight", "rawserve:cache_config_info"}
+    # rawserve's own memory families (the KV pool; the core process's RSS and CPU when it runs apart)
+    memory = {"rawserve:kv_cache_bytes", "rawserve:kv_cache_capacity_tokens"}
+    core = {"rawserve:engine_core_resident_memory_bytes", "rawserve:engine_core_cpu_seconds"}
+    assert memory <= rawserve_only and rawserve_only - memory - core == {"rawserve:requests_in_flight",
+                                                                          "rawserve:cache_config_info"}
     vllm_samples = {(s.name[len("vllm:"):], tuple(sorted((k, v) for k, v in s.labels.items() if k != "engine")),
                      s.value) for f in got.values() if f.name.startswith("vllm:") for s in f.samples}
     rawserve_samples = {(s.name[len("rawserve:"):], tuple(sorted(s.labels.items())), s.value)
-                        for f in got.values() if f.name.startswith("rawserve:") and f.name != "rawserve:requests_in_flight"
-                        and f.name != "rawserve:cache_config_info" for s in f.samples}
+                        for f in got.values() if f.name.startswith("rawserve:") and f.name not in rawserve_only
+                        for s in f.samples}
     assert rawserve_samples <= vllm_samples
 
 
