@@ -14,7 +14,7 @@ from rawserve.api.protocol import (ChatRequest, DetokenizeRequest, LoadLoraAdapt
                                    UnloadLoraAdapterRequest)
 from rawserve.api.serving import ServingContext, model_not_found
 from rawserve.errors import APIError, EngineDead
-from rawserve.http import JSONResponse, Request, TextResponse, parse
+from rawserve.http import JSONResponse, Request, Router, TextResponse, parse
 from rawserve.metrics import CONTENT_TYPE
 
 
@@ -100,6 +100,23 @@ def health(ctx: ServingContext, stall_timeout_s: float = 30.0) -> Callable:
             raise APIError(503, f"The engine is not responding: {stalled}.", code="engine_stalled")
         return JSONResponse({"status": "ok"})
     return handler
+
+
+def loading_router() -> Router:
+    """What answers while the model loads: /health 200 (the process lives), /ready and every other path 503
+    `loading` (with Retry-After), so a probe or a client is told at once instead of waiting in the backlog."""
+    async def alive(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "loading"})
+
+    async def loading(request: Request) -> JSONResponse:
+        raise APIError(503, "The model is loading.", code="loading")
+
+    router = Router()
+    router.add("GET", "/health", alive)
+    router.add("HEAD", "/health", alive)
+    for method in ("GET", "HEAD", "POST", "DELETE"):
+        router.add(method, "/{path:path}", loading)
+    return router
 
 
 def ready(ctx: ServingContext, is_draining: Callable[[], bool]) -> Callable:

@@ -118,10 +118,20 @@ class OpenAIServer:
         """Bind, then load the model (in the core) and serve; raises OSError at once if the port is taken,
         EngineDead if the core cannot start."""
         sock = bind_socket(self.server_config)  # before the model loads: a taken port fails in a moment
+        # The HTTP layer checks every accepted key, the file's included.
+        http_config = dataclasses.replace(self.server_config, api_key=list(self.api_keys))
+        self.http = HTTPServer(http_config, admin.loading_router(),
+                               on_refusal=refusal_logger(self.server_config.log_requests),
+                               open_while_draining=admin.PROBE_PATHS)
+        try:  # probes are answered while the model loads (/ready 503 loading), not left in the backlog
+            await self.http.start(sock, announce=False)
+        except BaseException:
+            sock.close()
+            raise
         try:
             await self.llm.start()
         except BaseException:
-            sock.close()
+            await self.http.shutdown()
             raise
         info = self.llm.info or {}
         ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
@@ -131,18 +141,8 @@ class OpenAIServer:
                              per_key_cache_salt=self.server_config.per_key_cache_salt,
                              kv_cache=kv_capacity(info))
         self.context = ctx
-        # The HTTP layer checks every accepted key, the file's included.
-        http_config = dataclasses.replace(self.server_config, api_key=list(self.api_keys))
-        self.http = HTTPServer(http_config, build_router(ctx, lambda: self.http.is_draining, self.responses,
-                                                                self.server_config.log_requests,
-                                                                self.server_config.engine_stall_timeout_s),
-                               on_refusal=refusal_logger(self.server_config.log_requests),
-                               open_while_draining=admin.PROBE_PATHS)
-        try:
-            await self.http.start(sock)
-        except BaseException:
-            await self.llm.stop(0)
-            raise
+        self.http.set_router(build_router(ctx, lambda: self.http.is_draining, self.responses,
+                                          self.server_config.log_requests, self.server_config.engine_stall_timeout_s))
         log.info("%s", startup_summary(self.engine_config, self.server_config, self.model_name, info, self.port))
         self._stats_task = asyncio.get_running_loop().create_task(StatsLogger(self.llm).run())
 

@@ -106,8 +106,19 @@ class HTTPServer:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    async def start(self, sock: socket.socket | None = None) -> None:
-        """Listen on `sock` (from bind_socket(), bound before a slow start-up) or bind now."""
+    def set_router(self, router: Router) -> None:
+        """Serve `router` from the next request on, and say the server listens (what scripts wait for): the
+        application starts with a loading router while the model loads, then sets its own."""
+        self.router = router
+        self._dispatcher.router = router
+        self._announce()
+
+    def _announce(self) -> None:
+        logger.info("listening on %s://%s:%d", self.config.scheme, self.config.host, self.port)
+
+    async def start(self, sock: socket.socket | None = None, announce: bool = True) -> None:
+        """Listen on `sock` (from bind_socket(), bound before a slow start-up) or bind now. `announce=False`
+        leaves the "listening on" line to set_router, once the real routes are in place."""
         if self._listener is not None:
             raise RuntimeError("the server is already started")
         loop = asyncio.get_running_loop()
@@ -127,7 +138,8 @@ class HTTPServer:
             sock.close()
             raise
         self.port = self._listener.sockets[0].getsockname()[1]
-        logger.info("listening on %s://%s:%d", self.config.scheme, self.config.host, self.port)
+        if announce:
+            self._announce()
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         """TLS with --ssl-certfile/--ssl-keyfile: asyncio's SSL transport under the same connections."""

@@ -107,3 +107,57 @@ def test_shutdown_timeout_bounds_the_exit_when_a_request_outlasts_it():
         assert stream.events[-1]["error"]["code"] == "server_shutdown"
     finally:
         server.kill()
+
+
+def test_while_the_model_loads_ready_says_loading_and_health_is_alive(monkeypatch):
+    """The listener answers during the load: /ready and the API 503 `loading` (Retry-After), /health 200."""
+    import asyncio
+
+    import rawserve.engine.core as core_module
+    from rawserve.api.app import OpenAIServer
+    from rawserve.config import EngineConfig, ServerConfig
+    from rawserve.demo_model import ensure_demo_model
+
+    gate = threading.Event()
+    real_init = core_module.EngineCore.__init__
+
+    def slow_init(self, *args, **kwargs):  # a load that takes until the test says so
+        assert gate.wait(60)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(core_module.EngineCore, "__init__", slow_init)
+    app = OpenAIServer(EngineConfig(model_dir=str(ensure_demo_model()), device="cpu", num_kv_blocks=64,
+                                    max_model_len=256),
+                       ServerConfig(port=0, served_model_name="demo", engine_mode="thread", api_key=[]))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    start = asyncio.run_coroutine_threadsafe(app.start(), loop)
+    try:
+        deadline = time.monotonic() + 30
+        while app.port is None:
+            assert time.monotonic() < deadline and not start.done(), "the listener never came up"
+            time.sleep(0.02)
+
+        def get(path):
+            conn = http.client.HTTPConnection("127.0.0.1", app.port, timeout=10)
+            conn.request("GET", path)
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            return response.status, dict(response.getheaders()), json.loads(body)
+
+        status, headers, body = get("/ready")
+        assert status == 503 and body["error"]["code"] == "loading" and "retry-after" in {h.lower() for h in headers}
+        assert get("/health")[0] == 200
+        status, _, body = get("/v1/models")
+        assert status == 503 and body["error"]["code"] == "loading"
+        gate.set()
+        start.result(60)
+        assert get("/ready")[0] == 200 and get("/v1/models")[2]["data"][0]["id"] == "demo"
+    finally:
+        gate.set()
+        if start.done() and start.exception() is None:
+            asyncio.run_coroutine_threadsafe(app.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
