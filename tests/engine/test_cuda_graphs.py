@@ -38,10 +38,11 @@ def test_on_with_device_auto_and_no_gpu_is_refused_before_loading(tiny_qwen3_dir
         ModelRunner(config)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_decode_gives_eager_greedy_ids(tiny_qwen3_dir, dtype):
+def test_graphed_decode_gives_eager_greedy_ids(tiny_qwen3_dir):
+    """float32: a graph splits long contexts by max_model_len and pads the batch, eager by the step's own
+    lengths, so the two differ by rounding; in half precision that may flip a near tie of a random model."""
     from rawserve.engine.frontend.llm import LLM
 
     # 11 prompts at max_num_seqs 8: batches of 8, then 3 (replayed padded to 4), with prefills eager between
@@ -49,7 +50,7 @@ def test_graphed_decode_gives_eager_greedy_ids(tiny_qwen3_dir, dtype):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     ids = {}
     for mode in ("off", "on"):
-        llm = LLM(tiny_qwen3_dir, device="cuda", dtype=dtype, num_kv_blocks=128, max_num_seqs=8,
+        llm = LLM(tiny_qwen3_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=8,
                   attention_backend="triton", cuda_graphs=mode)
         ids[mode] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
         graphs = llm.core.runner.graphs

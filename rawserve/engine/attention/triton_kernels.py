@@ -180,6 +180,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _tile(q: torch.Tensor, size: int, cpu: int = 32) -> int:
+    """A tile edge: `size` on a GPU (halved for float32, whose operands take twice the shared memory), smaller
+    under the interpreter, whose cost grows with the padding a large tile reads past a short sequence."""
+    if not q.is_cuda:
+        return cpu
+    return size if q.element_size() <= 2 else size // 2
+
+
 def check_shapes(head_dim: int, block_size: int) -> None:
     """The layouts the kernels take: tl.arange wants powers of two, tl.dot tiles of 16 at least."""
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -228,7 +236,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    tile_n = tile_n or (64 if q.is_cuda else 32)
+    tile_n = tile_n or _tile(q, 64)
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     _check_device(q)
     part_out = part_lse = out  # unused by the kernel when there is one split
     if num_splits > 1:
@@ -260,8 +269,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return
     _, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    tile_m = tile_m or (64 if q.is_cuda else 16)
-    tile_n = tile_n or (64 if q.is_cuda else 32)
+    tile_m = tile_m or _tile(q, 64, cpu=16)
+    tile_n = tile_n or _tile(q, 64)
     _check_device(q)
     _prefill[(num_seqs, num_heads, triton.cdiv(max_query_len, tile_m))](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_ids,

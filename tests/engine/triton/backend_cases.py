@@ -63,3 +63,27 @@ def test_runner_logits_match_the_torch_backend_over_chunks(tiny_qwen3_dir):
             start = end
         logits[backend] = torch.cat(rows).cpu()
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_padded_static_decode_batch_gives_eager_logits(tiny_qwen3_dir):
+    """What a CUDA graph replays, run without capture: decodes copied into the static buffers and padded up the
+    batch ladder (padding rows write no KV and read none) give the eager step's logits, batch after batch."""
+    from rawserve.config import EngineConfig
+    from rawserve.engine.cuda_graphs import DecodeGraphs
+    from rawserve.engine.model_runner import ModelRunner
+    from rawserve.engine.step_plan import ForwardBatch, StepInput
+
+    runner = ModelRunner(EngineConfig(model_dir=str(tiny_qwen3_dir), device=DEVICE, dtype="float32", block_size=16,
+                                      num_kv_blocks=16, max_num_seqs=8, attention_backend="triton",
+                                      cuda_graphs="off"))
+    prompts, tables = [prompt(20, 6), prompt(5, 7), prompt(33, 8)], [[3, 9], [0], [12, 1, 5]]
+    runner.execute(ForwardBatch.last_tokens([StepInput(p, 0, t) for p, t in zip(prompts, tables)]))
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, 8, runner.max_model_len, 16, runner.device, capture=False)
+    # 3 rows padded to 4, then sequence 1 alone, on block 0: a padding row writing slot 0 would show there
+    decodes = [ForwardBatch.last_tokens([StepInput([11 + i], len(prompts[i]), tables[i]) for i in picks])
+               for picks in ([0, 1, 2], [1])]
+    eager = [runner.execute(decode).cpu() for decode in decodes]
+    runner.graphs = graphs
+    for decode, expected in zip(decodes, eager):
+        torch.testing.assert_close(runner.execute(decode).cpu(), expected, atol=1e-5, rtol=1e-5)
+    assert graphs.num_replays == 2
