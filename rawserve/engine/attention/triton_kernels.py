@@ -7,11 +7,11 @@ tl.max and tl.sum among them, are built in one mode at import); tests run them i
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 
 @triton.jit
@@ -161,7 +161,10 @@ def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_len
 
 def interpreted() -> bool:
     """Whether triton was imported under TRITON_INTERPRET=1 (kernels then run on CPU tensors, slowly)."""
-    return bool(knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_device(t: torch.Tensor) -> None:
