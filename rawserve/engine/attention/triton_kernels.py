@@ -1,8 +1,6 @@
 """Triton kernels for paged attention (KV write by slot, split-K decode with GQA, varlen causal prefill over the
-cache), each with a plain-torch reference beside it. On CPU tensors they run through triton's interpreter.
-
-On a CPU they need TRITON_INTERPRET=1 set before triton is imported (triton's own jitted helpers,
-tl.max and tl.sum among them, are built in one mode at import); tests run them in a subprocess for that.
+cache), each with a plain-torch reference beside it. CPU tensors need triton's interpreter, TRITON_INTERPRET=1
+set before triton is imported (its own jitted helpers, tl.max and tl.sum among them, are built in one mode then).
 """
 from __future__ import annotations
 
