@@ -138,6 +138,7 @@ class ModelRunner:
         self.eos_token_ids = cfg.eos_token_ids
         self.block_size = config.block_size
         use_graphs = resolve_cuda_graphs(config, self.device)
+        self.graphs: DecodeGraphs | None = None  # captured last, once the KV pool exists; the profile step runs eager
         check_attention_backend(config, cfg, self.device)
         torch.manual_seed(config.seed)
         # Without --num-kv-blocks (and off a GPU), the pool is sized from what this process may still use,
@@ -166,7 +167,6 @@ class ModelRunner:
         log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s): %s; %s attention", config.model_dir,
                  self.dtype, self.device, self.num_blocks * self.block_size, self.num_blocks, self.block_size,
                  memory.mib(self.kv_plan.num_bytes), self.kv_plan.reason, config.attention_backend)
-        self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_model_len,
                                        self.block_size, self.device)
