@@ -2,7 +2,10 @@
 
 python -m bench.engine [--model demo|qwen3-0.6b | --model-dir DIR] [--concurrency 1,32,256]
                        [--input-len 128] [--output-len 64] [--num-requests N] [--prefix-len 0]
+                       [--random-lens 100,1024] [--attention-backend torch|triton] [--cuda-graphs auto|on|off]
 One JSON object per scenario on stdout, then one with the issue's two targets; logs go to stderr.
+--random-lens MIN,MAX runs one scenario instead, nano-vllm's: --num-requests (default 256) sequences, each with
+input and output lengths drawn uniformly from [MIN, MAX], all submitted at once; it reports output tok/s.
 Host time per step = step wall time minus the model forward (runner.execute, CUDA-synchronised on a GPU).
 """
 from __future__ import annotations
@@ -34,6 +37,19 @@ def rev() -> str:
                               check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def resolve_model_dir(model: str, model_dir: str | None) -> str:
+    """--model-dir, else the built-in checkpoint --model names (built and cached on first use)."""
+    if model_dir is not None:
+        return model_dir
+    if model == "demo":
+        from rawserve.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model())
+    from bench.checkpoints import ensure_qwen3_06b_shape
+
+    return str(ensure_qwen3_06b_shape("bfloat16" if torch.cuda.is_available() else "float32"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -139,6 +155,27 @@ def scenario(core: EngineCore, timer: ForwardTimer, args, concurrency: int, base
             "num_preemptions": after.num_preemptions - before.num_preemptions}
 
 
+def random_lengths(core: EngineCore, args, lo: int, hi: int, base: dict) -> dict:
+    """nano-vllm's throughput benchmark: N prompts of random length and random output budgets, at once."""
+    num = args.num_requests or 256
+    g = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    out_lens = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    for i, (n, m) in enumerate(zip(in_lens, out_lens)):
+        ids = torch.randint(0, core.vocab_size, (n,), generator=g).tolist()
+        core.add_request(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    start = time.perf_counter()
+    num_steps = 0
+    while core.has_unfinished:
+        core.step()
+        num_steps += 1
+    elapsed = time.perf_counter() - start
+    return {**base, "scenario": "random_lengths", "num_requests": num, "min_len": lo, "max_len": hi,
+            "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "elapsed_s": round(elapsed, 3),
+            "num_steps": num_steps, "output_tok_s": round(sum(out_lens) / elapsed, 1),
+            "total_tok_s": round((sum(in_lens) + sum(out_lens)) / elapsed, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", choices=["demo", "qwen3-0.6b"],
@@ -154,6 +191,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default).")
+    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--random-lens", default=None, metavar="MIN,MAX",
+                        help="nano-vllm's scenario: random input and output lengths in [MIN, MAX] (see above).")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     if not 0 <= args.prefix_len <= args.input_len:
@@ -161,29 +202,36 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    model_dir = args.model_dir
-    if model_dir is None:
-        if args.model == "demo":
-            from rawserve.demo_model import ensure_demo_model
-
-            model_dir = str(ensure_demo_model())
-        else:
-            from bench.checkpoints import ensure_qwen3_06b_shape
-
-            model_dir = str(ensure_qwen3_06b_shape("bfloat16" if torch.cuda.is_available() else "float32"))
+    model_dir = resolve_model_dir(args.model, args.model_dir)
     max_seqs = max(concurrencies)
     num_requests = max(args.num_requests, max_seqs)
-    seq_blocks = -(-(args.input_len + args.output_len) // args.block_size)
+    max_len = args.input_len + args.output_len
+    if args.random_lens:
+        lo, hi = (int(x) for x in args.random_lens.split(","))
+        if not 1 <= lo <= hi:
+            parser.error("--random-lens: expected MIN,MAX with 1 <= MIN <= MAX")
+        num_requests = max_seqs = args.num_requests or 256
+        max_len = 2 * hi
+    seq_blocks = -(-max_len // args.block_size)
     config = EngineConfig(model_dir=model_dir, device=args.device, dtype=args.dtype, block_size=args.block_size,
                           num_kv_blocks=num_requests * seq_blocks + 16, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=max(args.input_len + args.output_len, 64))
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max(max_len, 64),
+                          attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs)
     log.info("loading %s", model_dir)
     core = EngineCore(config)
     timer = ForwardTimer(core.runner)
     base = {"bench": "engine", "model_dir": model_dir, "device": str(core.runner.device),
             "dtype": str(core.runner.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens, "rev": rev()}
+            "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens, "rev": rev(),
+            "attention_backend": args.attention_backend, "cuda_graphs": core.runner.graphs is not None}
+    if args.random_lens:
+        warm = time.perf_counter()
+        run_batch(core, timer, make_prompts(min(max_seqs, 8), lo, 0, core.vocab_size, 99), 4, "warmup")
+        base["warmup_s"] = round(time.perf_counter() - warm, 3)
+        result = random_lengths(core, args, lo, hi, base)
+        result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        print(json.dumps(result), flush=True)
+        return
 
     warm = time.perf_counter()
     # Every batch shape the scenarios meet, once: allocator growth and first-call costs stay out of the numbers.

@@ -23,7 +23,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory
 ENV_PREFIX = "RAWSERVE_"
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("torch",)  # triton kernels are planned; the portable backend runs everywhere
+ATTENTION_BACKENDS = ("torch", "triton")
+CUDA_GRAPHS = ("auto", "on", "off")
 ENGINE_MODES = ("thread", "process")
 METRICS_COMPAT = ("none", "vllm")
 # --kv-cache-memory-gb auto on a CPU: the share of the memory left after the weights and a step's working
@@ -75,8 +76,14 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "Share KV blocks of identical prompt prefixes across requests."})
     attention_backend: str = field(default="torch", metadata={
-        "help": "Attention implementation: torch (portable, CPU and CUDA; the only one so far).",
+        "help": "Attention implementation: torch (portable, CPU and CUDA) or triton (paged kernels for a GPU; "
+                "on a CPU they run only under TRITON_INTERPRET=1, slowly, for tests). triton needs "
+                "--block-size >= 16.",
         "choices": ATTENTION_BACKENDS})
+    cuda_graphs: str = field(default="auto", metadata={
+        "help": "Replay decode steps from CUDA graphs captured at start for a ladder of batch sizes: "
+                "auto (on with a CUDA device and --attention-backend triton, else off), on, off.",
+        "choices": CUDA_GRAPHS})
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
     enable_lora: bool = field(default=False, metadata={
         "help": "Serve LoRA adapters (implied by --lora-modules): reserves --max-loras slots of rank "
@@ -123,6 +130,14 @@ class EngineConfig:
         _check(self.device in DEVICES, "device", f"must be one of {'|'.join(DEVICES)}, got {self.device!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        _check(self.cuda_graphs in CUDA_GRAPHS, "cuda_graphs",
+               f"must be one of {'|'.join(CUDA_GRAPHS)}, got {self.cuda_graphs!r}")
+        _check(not (self.cuda_graphs == "on" and self.device == "cpu"), "cuda_graphs",
+               "on needs a CUDA device, but --device is cpu")
+        _check(not (self.cuda_graphs == "on" and self.attention_backend != "triton"), "cuda_graphs",
+               "on needs --attention-backend triton (the torch backend's decode is not capturable)")
+        _check(self.attention_backend != "triton" or self.block_size >= 16, "block_size",
+               f"--attention-backend triton needs a block size >= 16, got {self.block_size}")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
                f"must be a power of two, got {self.block_size}")

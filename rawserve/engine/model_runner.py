@@ -12,7 +12,8 @@ import torch
 
 from rawserve.config import CPU_MEMORY_SHARE, EngineConfig
 from rawserve.engine import memory
-from rawserve.engine.attention.metadata import AttentionMetadata
+from rawserve.engine.attention.metadata import AttentionMetadata, decode_splits
+from rawserve.engine.cuda_graphs import DecodeGraphs
 from rawserve.engine.loader import ModelConfig, load_weights, read_model_config, read_safetensors_header, \
     safetensors_files
 from rawserve.engine.lora import LoraWeights
@@ -61,14 +62,15 @@ def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: t
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
-               cfg: ModelConfig | None = None, *, prepack: bool = True) -> DecoderModel:
+               cfg: ModelConfig | None = None, *, prepack: bool = True, attention_backend: str = "torch"
+               ) -> DecoderModel:
     """Build the model without initialising it, then stream the checkpoint's tensors into it.
 
     prepack: on CPU, hold the matmul weights in oneDNN's packed layout (see DecoderLayer.prepack).
     """
     cfg = cfg or read_model_config(model_dir)
     with torch.device("meta"):
-        model = DecoderModel(cfg, dtype)
+        model = DecoderModel(cfg, dtype, attention_backend)
     model.to_empty(device=device)
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
     model.narrow_embedding(head_packed=prepack)
@@ -95,6 +97,31 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
     return total
 
 
+def check_attention_backend(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+    """Refuse a triton backend that cannot run here, before any weight is read."""
+    if config.attention_backend != "triton":
+        return
+    from rawserve.engine.attention import triton_kernels
+
+    triton_kernels.check_shapes(cfg.head_dim, config.block_size)
+    if device.type != "cuda":
+        if not triton_kernels.interpreted():
+            raise ValueError("--attention-backend: triton on a CPU runs only under TRITON_INTERPRET=1 (triton's "
+                             "interpreter, for tests); use torch on a CPU")
+        log.warning("attention: triton kernels on %s through triton's interpreter (correct, very slow)", device)
+
+
+def resolve_cuda_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """--cuda-graphs: auto is on with a CUDA device and the triton backend; on elsewhere is an error."""
+    if config.cuda_graphs == "off":
+        return False
+    usable = device.type == "cuda" and config.attention_backend == "triton"
+    if config.cuda_graphs == "on" and not usable:
+        raise ValueError(f"--cuda-graphs: on needs a CUDA device and --attention-backend triton "
+                         f"(device {device.type}, backend {config.attention_backend})")
+    return usable
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if config.model_dir is None:
@@ -110,13 +137,17 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = cfg.eos_token_ids
         self.block_size = config.block_size
+        use_graphs = resolve_cuda_graphs(config, self.device)
+        self.graphs: DecodeGraphs | None = None  # captured last, once the KV pool exists; the profile step runs eager
+        check_attention_backend(config, cfg, self.device)
         torch.manual_seed(config.seed)
         # Without --num-kv-blocks (and off a GPU), the pool is sized from what this process may still use,
         # so read it first: a limit the weights and one step do not fit is refused here, not OOM-killed later.
         sizes_by_memory = config.num_kv_blocks is None and self.device.type == "cpu"
         if sizes_by_memory:
             self._check_weights_fit(memory.headroom())
-        self.model = load_model(config.model_dir, self.dtype, self.device, cfg)
+        self.model = load_model(config.model_dir, self.dtype, self.device, cfg,
+                                attention_backend=config.attention_backend)
         self.model.init_rope(self.max_model_len, self.device)
         self.lora: LoraWeights | None = None
         if config.lora_enabled:
@@ -133,9 +164,12 @@ class ModelRunner:
                            torch.empty(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
         self._num_zeroed = 0
-        log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s): %s", config.model_dir, self.dtype,
-                 self.device, self.num_blocks * self.block_size, self.num_blocks, self.block_size,
-                 memory.mib(self.kv_plan.num_bytes), self.kv_plan.reason)
+        log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s): %s; %s attention", config.model_dir,
+                 self.dtype, self.device, self.num_blocks * self.block_size, self.num_blocks, self.block_size,
+                 memory.mib(self.kv_plan.num_bytes), self.kv_plan.reason, config.attention_backend)
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_model_len,
+                                       self.block_size, self.device)
 
     @property
     def block_bytes(self) -> int:
@@ -257,9 +291,6 @@ class ModelRunner:
         self._zero_blocks(int(tables.max()) + 1)
         dev = self.device
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-        decode_ids = torch.tensor(decode_seq, dtype=torch.int64)
-        decode_blocks = tables[decode_ids, :-(-max_decode_len // bs)].flatten()
-        decode_mask = (torch.arange(max_decode_len).unsqueeze(0) < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -267,8 +298,18 @@ class ModelRunner:
             block_tables=tables.to(dev),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
             decode_token_ids=torch.tensor(decode_tok, dtype=torch.int64, device=dev),
-            max_decode_len=max_decode_len, decode_blocks=decode_blocks.to(dev), decode_mask=decode_mask.to(dev),
-            prefill_seq_ids=prefill_seq, block_size=bs)
+            max_decode_len=max_decode_len, prefill_seq_ids=prefill_seq, block_size=bs)
+        if self.config.attention_backend == "triton":
+            meta.decode_seq_ids = torch.tensor(decode_seq, dtype=torch.int64, device=dev)
+            meta.prefill_seqs = torch.tensor(prefill_seq, dtype=torch.int64, device=dev)
+            meta.max_prefill_len = max((starts[i + 1] - starts[i] for i in prefill_seq), default=0)
+            meta.decode_num_splits = decode_splits(len(decode_seq), self.model_config.num_kv_heads, max_decode_len)
+        else:
+            decode_ids = torch.tensor(decode_seq, dtype=torch.int64)
+            decode_blocks = tables[decode_ids, :-(-max_decode_len // bs)].flatten()
+            decode_mask = (torch.arange(max_decode_len).unsqueeze(0)
+                           < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None]
+            meta.decode_blocks, meta.decode_mask = decode_blocks.to(dev), decode_mask.to(dev)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(batch.logit_indices, dtype=torch.int64, device=dev))
@@ -280,6 +321,9 @@ class ModelRunner:
         Row r is flattened token batch.logit_indices[r]'s, predicting the token after it; which rows a step
         needs is the StepPlan's to say.
         """
+        graphed = self._run_graph(batch)
+        if graphed is not None:
+            return graphed
         input_ids, positions, meta, rows = self._metadata(batch)
         lora = None
         if self.lora is not None and any(inp.lora_slot >= 0 for inp in batch.seqs):  # a base-only step: no work
@@ -289,3 +333,26 @@ class ModelRunner:
         if rows.numel() == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [num_rows, vocab]
+
+    def _run_graph(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits from a captured decode graph, or None when the step must run eagerly (a prefill in it, a
+        LoRA row, or more sequences than the largest graph)."""
+        graphs, inputs = self.graphs, batch.seqs
+        if graphs is None or not inputs or any(len(inp.token_ids) != 1 or inp.lora_slot >= 0 for inp in inputs):
+            return None
+        width = max(len(inp.block_table) for inp in inputs)
+        if not graphs.fits(len(inputs), width):
+            return None
+        bs = self.block_size
+        self._zero_blocks(max(max(inp.block_table) for inp in inputs) + 1)  # as _metadata does for eager steps
+        positions = [inp.num_computed_tokens for inp in inputs]
+        hidden = graphs.run(
+            torch.tensor([inp.token_ids[0] for inp in inputs], dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor([inp.block_table[p // bs] * bs + p % bs for inp, p in zip(inputs, positions)],
+                         dtype=torch.int64),
+            torch.tensor([p + 1 for p in positions], dtype=torch.int64),
+            torch.tensor([inp.block_table + [0] * (width - len(inp.block_table)) for inp in inputs],
+                         dtype=torch.int64))
+        rows = torch.tensor(batch.logit_indices, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[rows])

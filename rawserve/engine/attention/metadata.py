@@ -8,6 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_SPLITS = 16  # split-K decode: at most this many partial results per (sequence, KV head)
+MIN_SPLIT_TOKENS = 256  # ... and none shorter than this: a split's fixed cost must stay small against its reads
+TARGET_PROGRAMS = 264  # decode programs worth launching: two per SM of an H100/H200 (132 SMs)
+
+
+def decode_splits(num_decodes: int, num_kv_heads: int, max_context: int) -> int:
+    """Split-K parts for a decode batch (a power of two): enough programs to fill a GPU at small batch,
+    none covering under MIN_SPLIT_TOKENS of context. Host ints only, so graphs can fix it at capture."""
+    by_programs = max(1, TARGET_PROGRAMS // max(1, num_decodes * num_kv_heads))
+    by_length = max(1, max_context // MIN_SPLIT_TOKENS)
+    wanted = min(MAX_SPLITS, by_programs, by_length)
+    return 1 << (wanted.bit_length() - 1)  # rounded down to a power of two
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -19,11 +32,16 @@ class AttentionMetadata:
     # Host copies, so the torch backend can plan without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # The sequences that decode one token this step, batched together by the torch backend. Their
-    # block list and mask are built once per step here, not again in each layer.
+    # The sequences that decode one token this step, and those with more than one new token.
     decode_token_ids: torch.Tensor  # [num_decodes] int64 indices into the token batch
     max_decode_len: int  # longest context among the decodes
-    decode_blocks: torch.Tensor  # [num_decodes * ceil(max_decode_len / block_size)] int64 block ids
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_len] bool: slot < the sequence's length
     prefill_seq_ids: list[int]  # sequences with more than one new token
     block_size: int
+    # Torch backend: the decodes' block list and mask, built once per step here, not again in each layer.
+    decode_blocks: torch.Tensor | None = None  # [num_decodes * ceil(max_decode_len / block_size)] int64 block ids
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] bool: slot < the sequence's length
+    # Triton backend: the same selections as device index tensors, and the grid sizes (host ints).
+    decode_seq_ids: torch.Tensor | None = None  # [num_decodes] int64: each decode's sequence
+    prefill_seqs: torch.Tensor | None = None  # [num_prefills] int64: prefill_seq_ids on the device
+    max_prefill_len: int = 0  # longest prefill chunk (new tokens)
+    decode_num_splits: int = 1  # split-K parts per decode context (decode_splits)

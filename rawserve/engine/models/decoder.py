@@ -6,13 +6,14 @@ q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls); the lo
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rawserve.engine.attention import get_backend
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.attention.torch_backend import paged_attention, write_kv
 from rawserve.engine.loader import ModelConfig, Target
 from rawserve.engine.lora import LoraBatch, LoraWeights
 
@@ -73,10 +74,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0,
+                 attention: types.ModuleType | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.index = index
+        self.attention = attention or get_backend("torch")  # the backend module: write_kv, paged_attention
         self.lora: LoraWeights | None = None  # set by DecoderModel.enable_lora
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
@@ -153,8 +156,8 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
-        write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
+        self.attention.write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        attn = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
         h = self.linear(attn.reshape(num_tokens, self.q_size), "o_proj", lora=lora)
         residual = residual + h
         h = rms_norm(residual, self.post_attention_layernorm, eps)
@@ -165,11 +168,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_backend: str = "torch") -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
+        attention = get_backend(attention_backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i, attention) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head pre-packed by prepack()
