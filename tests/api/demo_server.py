@@ -21,7 +21,7 @@ def demo_dir() -> pathlib.Path:
 def serve_demo(engine: dict, server: dict | None = None) -> Iterator[ServerThread]:
     """A fixture body: the demo model served as MODEL (engine in a thread, float32 unless told), stopped after."""
     srv = ServerThread(EngineConfig(model_dir=str(demo_dir()), device="cpu", **{"dtype": "float32", **engine}),
-                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", **(server or {})))
+                       ServerConfig(port=0, served_model_name=MODEL, **{"engine_mode": "thread", **(server or {})}))
     try:
         yield srv
     finally:

@@ -14,24 +14,15 @@ import time
 import pytest
 
 from rawserve.config import EngineConfig, ServerConfig
-from tests.api.test_openai_server import ServerThread, raw, wait_idle
+from tests.api.demo_server import serve_demo
+from tests.api.test_openai_server import demo_dir, raw, wait_idle  # noqa: F401 - demo_dir is a fixture
 
 MAX_PENDING = 8
 
 
 @pytest.fixture(scope="module")
-def demo_dir():
-    from rawserve.demo_model import ensure_demo_model
-
-    return ensure_demo_model()
-
-
-@pytest.fixture(scope="module")
-def server(demo_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(demo_dir), device="cpu", num_kv_blocks=128, max_model_len=256),
-                       ServerConfig(port=0, served_model_name="demo", engine_mode="thread", max_pending=MAX_PENDING))
-    yield srv
-    srv.stop()
+def server():
+    yield from serve_demo(dict(num_kv_blocks=128, max_model_len=256, dtype="auto"), dict(max_pending=MAX_PENDING))
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:

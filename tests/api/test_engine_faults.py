@@ -17,26 +17,16 @@ import time
 
 import pytest
 
-from rawserve.config import EngineConfig, ServerConfig
-from tests.api.test_openai_server import ServerThread, raw
+from tests.api.demo_server import serve_demo
+from tests.api.test_openai_server import demo_dir, raw  # noqa: F401 - demo_dir is a fixture
 
 STALL_S = 1.5
 
 
 @pytest.fixture(scope="module")
-def demo_dir():
-    from rawserve.demo_model import ensure_demo_model
-
-    return ensure_demo_model()
-
-
-@pytest.fixture(scope="module")
-def server(demo_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(demo_dir), device="cpu", num_kv_blocks=512, max_model_len=4096),
-                       ServerConfig(port=0, served_model_name="demo", engine_mode="process",
-                                    engine_stall_timeout_s=STALL_S, log_requests=False))
-    yield srv
-    srv.stop()
+def server():
+    yield from serve_demo(dict(num_kv_blocks=512, max_model_len=4096, dtype="auto"),
+                          dict(engine_mode="process", engine_stall_timeout_s=STALL_S, log_requests=False))
 
 
 class Stream:

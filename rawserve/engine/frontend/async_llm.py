@@ -337,9 +337,7 @@ class AsyncLLM:
                     future.set_result((error, code))
             elif kind == MsgKind.FATAL:
                 self._die(payload)
-            elif kind == MsgKind.HEARTBEAT:
-                pass  # heard: that is all it says
-            else:
+            elif kind != MsgKind.HEARTBEAT:  # a heartbeat says only that the core lives: _last_heard, above
                 log.error("frontend ignores unknown core message %r", kind)
 
     def _on_stats(self, stats: EngineStats) -> None:
