@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import platform
 
 import torch
 
@@ -14,6 +13,7 @@ from rawserve.config import CPU_MEMORY_SHARE, EngineConfig
 from rawserve.engine import memory
 from rawserve.engine.attention.metadata import AttentionMetadata, decode_splits
 from rawserve.engine.cuda_graphs import DecodeGraphs
+from rawserve.engine.dtype_probe import DtypeChoice, probe_cpu_dtype
 from rawserve.engine.loader import ModelConfig, load_weights, read_model_config, read_safetensors_header, \
     safetensors_files
 from rawserve.engine.lora import LoraWeights
@@ -25,24 +25,6 @@ log = logging.getLogger("rawserve.engine")
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU does bf16 arithmetic in hardware (AVX512-BF16, AMX, or Arm's BF16 extension).
-
-    Without it torch emulates bf16 matmuls at a small fraction of float32 speed (1-18 GFLOP/s vs
-    ~110 on an AVX2-only box), so dtype=auto must not pick bf16 there.
-    """
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        # No /proc (macOS): Apple silicon since M2 has BF16; Intel Macs do not.
-        return platform.machine() == "arm64"
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
 def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda was asked for but torch sees no CUDA device")
@@ -51,14 +33,15 @@ def resolve_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> DtypeChoice:
+    """--dtype: as given; auto is the checkpoint's dtype on a GPU and, on a CPU, what a start-up probe of the
+    model's matmul shape measures fastest (dtype_probe.probe_cpu_dtype)."""
     if config.dtype != "auto":
-        return _DTYPE_NAMES[config.dtype]
-    if device.type == "cuda":
-        return checkpoint_dtype
-    if checkpoint_dtype == torch.bfloat16 and cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
+        return DtypeChoice(_DTYPE_NAMES[config.dtype], "--dtype")
+    if device.type != "cpu":
+        return DtypeChoice(cfg.dtype, f"--dtype auto: the checkpoint's dtype on {device.type}")
+    choice = probe_cpu_dtype(cfg.dtype, cfg.hidden_size, cfg.intermediate_size)
+    return DtypeChoice(choice.dtype, f"--dtype auto: {choice.reason}")
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
@@ -129,7 +112,9 @@ class ModelRunner:
         self.config = config
         self.model_config = cfg = read_model_config(config.model_dir)
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, cfg.dtype, self.device)
+        choice = resolve_dtype(config, cfg, self.device)
+        self.dtype = choice.dtype
+        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), choice.reason)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len: {self.max_model_len} exceeds the checkpoint's "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rawserve.config import EngineConfig
-from rawserve.engine.loader import CheckpointError, read_model_config
+from rawserve.engine.loader import CheckpointError, ModelConfig, read_model_config
 from rawserve.engine.model_runner import ModelRunner, load_model, resolve_dtype
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from tests.checkpoints import make_hf_checkpoint
@@ -125,15 +126,43 @@ def test_bfloat16_checkpoint_converts_to_float32(tmp_path):
     assert torch.equal(model.embed_tokens, ref["model.embed_tokens.weight"])
 
 
-def test_dtype_auto_on_cpu_picks_float32_without_native_bf16(monkeypatch):
-    import rawserve.engine.model_runner as mr
+def _cfg(dtype: torch.dtype) -> ModelConfig:
+    return ModelConfig(family="qwen3", architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=64,
+                       intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64, tie_word_embeddings=True,
+                       qkv_bias=False, qk_norm=True, dtype=dtype)
 
+
+def test_dtype_auto_keeps_a_float32_checkpoint_in_float32_and_honours_the_flag():
     cpu = torch.device("cpu")
-    monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: False)
-    assert resolve_dtype(EngineConfig(), torch.bfloat16, cpu) == torch.float32
-    monkeypatch.setattr(mr, "cpu_has_native_bf16", lambda: True)
-    assert resolve_dtype(EngineConfig(), torch.bfloat16, cpu) == torch.bfloat16
-    assert resolve_dtype(EngineConfig(dtype="float16"), torch.bfloat16, cpu) == torch.float16
+    choice = resolve_dtype(EngineConfig(), _cfg(torch.float32), cpu)
+    assert choice.dtype == torch.float32 and "float32 holds its values exactly" in choice.reason
+    assert resolve_dtype(EngineConfig(dtype="float16"), _cfg(torch.bfloat16), cpu).dtype == torch.float16
+    assert resolve_dtype(EngineConfig(dtype="bfloat16"), _cfg(torch.float32), cpu).dtype == torch.bfloat16
+
+
+def test_dtype_auto_on_a_bf16_checkpoint_follows_the_probe_it_ran():
+    """The real probe runs; whichever way it goes, the choice is what its own timings say."""
+    choice = resolve_dtype(EngineConfig(), _cfg(torch.bfloat16), torch.device("cpu"))
+    times = re.findall(r"(\d+) rows ([\d.]+) vs ([\d.]+) ms", choice.reason)
+    assert [int(m) for m, _, _ in times] == [1, 32], choice.reason
+    bf16_faster = all(float(bf16) < float(f32) for _, bf16, f32 in times)
+    assert choice.dtype == (torch.bfloat16 if bf16_faster else torch.float32), choice.reason
+
+
+@pytest.mark.parametrize("bf16_ms, expected", [((0.2, 1.0), torch.bfloat16), ((0.2, 3.0), torch.float32),
+                                                ((0.9, 1.0), torch.float32)])
+def test_dtype_probe_picks_bf16_only_when_faster_at_every_size(monkeypatch, bf16_ms, expected):
+    """The CPU's speed is what lies outside the rule: fake the timings (float32: 0.5 ms at 1 row, 2 ms at 32)."""
+    from rawserve.engine import dtype_probe
+
+    def fake(dtype, out_features, in_features, rows):
+        return dict(zip(rows, bf16_ms if dtype == torch.bfloat16 else (0.5, 2.0)))
+
+    monkeypatch.setattr(dtype_probe, "_matmul_ms", fake)
+    choice = dtype_probe.probe_cpu_dtype(torch.bfloat16, 64, 128)
+    assert choice.dtype == expected, choice.reason
+    assert "256x64 matmul" in choice.reason
 
 
 def test_max_model_len_beyond_checkpoint_is_refused(tiny_qwen3_dir):

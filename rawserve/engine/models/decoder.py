@@ -19,17 +19,19 @@ from rawserve.engine.lora import LoraBatch, LoraWeights
 
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can hold this dtype's weights pre-packed for CPU matmuls.
+    """Whether oneDNN can hold this dtype's weights pre-packed for CPU matmuls (float32 and bfloat16).
 
-    A private torch op (the one torch.compile uses for CPU linears), so probe it rather than trust it.
+    A private torch op (the one torch.compile uses for CPU linears), so probe it rather than trust it. bf16
+    pre-packed is the fast bf16 path (2-3x F.linear's bf16 at one row on an AVX512-BF16 CPU), and needs the
+    same probe: a build without oneDNN's bf16 kernels raises, or returns wrong values.
     """
-    if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(8, 8)
+        w = torch.ones(8, 8, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), packed, None, "none", [], "")
-        return bool(torch.allclose(out, torch.full((2, 8), 8.0)))
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+        return out.dtype == dtype and bool(torch.equal(out.float(), torch.full((2, 8), 8.0)))
     except (AttributeError, RuntimeError):
         return False
 

@@ -1,0 +1,89 @@
+"""`--dtype auto` on a CPU: time the model's own matmul shape in float32 and bfloat16 and keep the faster.
+
+CPU flags alone mislead: a CPU without AVX512-BF16/AMX emulates bf16 matmuls at a fraction of float32's speed,
+and one with them may still lose when oneDNN's bf16 kernels are missing from the torch build.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from rawserve.engine.models.decoder import cpu_prepack_supported
+
+_PROBE_ROWS = (1, 32)  # a decode step at one stream and at a busy batch
+_PROBE_BYTES = 48 << 20  # float32 weight bytes cycled through per timing: more than a server CPU's L3 share
+_REPS = 4
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU does bf16 arithmetic in hardware (AVX512-BF16, AMX, or Arm's BF16 extension)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        # No /proc (macOS): Apple silicon since M2 has BF16; Intel Macs do not.
+        return platform.machine() == "arm64"
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str  # for the startup log
+
+
+def _matmul_ms(dtype: torch.dtype, out_features: int, in_features: int, rows: tuple[int, ...]
+               ) -> dict[int, float]:
+    """Best ms per call of y = x W^T with W [out, in] at `dtype`, pre-packed when oneDNN can, for each row
+    count; the calls cycle through enough distinct weights that they are read from memory, as a model's are."""
+    copies = max(2, _PROBE_BYTES // (out_features * in_features * 4))
+    pack = cpu_prepack_supported(dtype)
+    weights = []
+    for _ in range(copies):  # one dense weight at a time, so the probe's peak stays near _PROBE_BYTES
+        w = torch.randn(out_features, in_features).to(dtype)
+        weights.append(torch.ops.mkldnn._reorder_linear_weight(w) if pack else w)
+
+    def run(x: torch.Tensor, i: int) -> torch.Tensor:
+        if pack:
+            return torch.ops.mkldnn._linear_pointwise(x, weights[i], None, "none", [], "")
+        return F.linear(x, weights[i])
+    best = {}
+    for m in rows:
+        x = torch.randn(m, in_features).to(dtype)
+        run(x, 0)  # first call: oneDNN builds its primitive
+        times = []
+        for _ in range(_REPS):
+            start = time.perf_counter()
+            for i in range(copies):
+                run(x, i)
+            times.append((time.perf_counter() - start) / copies)
+        best[m] = min(times) * 1e3
+    return best
+
+
+@torch.inference_mode()
+def probe_cpu_dtype(checkpoint_dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> DtypeChoice:
+    """float32, or bfloat16 for a bf16 checkpoint when bf16 measures faster at both row counts.
+
+    A float32 or float16 checkpoint stays float32: bf16 would change its numbers, which auto must not do."""
+    if checkpoint_dtype != torch.bfloat16:
+        return DtypeChoice(torch.float32, f"the checkpoint is {str(checkpoint_dtype).removeprefix('torch.')}; "
+                                          "float32 holds its values exactly")
+    shape = (2 * intermediate_size, hidden_size)  # the fused gate/up matrix: the largest per layer
+    f32 = _matmul_ms(torch.float32, *shape, _PROBE_ROWS)
+    bf16 = _matmul_ms(torch.bfloat16, *shape, _PROBE_ROWS)
+    native = "native bf16" if cpu_has_native_bf16() else "no native bf16 in the CPU flags"
+    timings = ", ".join(f"{m} rows {bf16[m]:.2f} vs {f32[m]:.2f} ms" for m in _PROBE_ROWS)
+    faster = all(bf16[m] < f32[m] for m in _PROBE_ROWS)
+    dtype = torch.bfloat16 if faster else torch.float32
+    verdict = "bfloat16 is faster" if faster else "bfloat16 is not faster at every size"
+    return DtypeChoice(dtype, f"bf16 checkpoint, probe of a {shape[0]}x{shape[1]} matmul, bf16 vs float32: "
+                              f"{timings} ({verdict}; {native})")
