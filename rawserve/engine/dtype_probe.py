@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from rawserve.engine.models.decoder import cpu_prepack_supported
 
 _PROBE_ROWS = (1, 32)  # a decode step at one stream and at a busy batch
-_PROBE_BYTES = 48 << 20  # float32 weight bytes cycled through per timing: more than a server CPU's L3 share
+_PROBE_BYTES = 24 << 20  # float32 weight bytes cycled through per timing: more than a small VM's L3 share
+_MAX_COPIES = 16  # a small model's matrices: enough to leave the caches, few enough to stay well under a second
 _REPS = 4
 
 
@@ -40,32 +41,38 @@ class DtypeChoice:
     reason: str  # for the startup log
 
 
-def _matmul_ms(dtype: torch.dtype, out_features: int, in_features: int, rows: tuple[int, ...]
-               ) -> dict[int, float]:
-    """Best ms per call of y = x W^T with W [out, in] at `dtype`, pre-packed when oneDNN can, for each row
-    count; the calls cycle through enough distinct weights that they are read from memory, as a model's are."""
-    copies = max(2, _PROBE_BYTES // (out_features * in_features * 4))
-    pack = cpu_prepack_supported(dtype)
-    weights = []
-    for _ in range(copies):  # one dense weight at a time, so the probe's peak stays near _PROBE_BYTES
-        w = torch.randn(out_features, in_features).to(dtype)
-        weights.append(torch.ops.mkldnn._reorder_linear_weight(w) if pack else w)
+def _matmul_ms(dtypes: tuple[torch.dtype, ...], out_features: int, in_features: int, rows: tuple[int, ...]
+               ) -> dict[torch.dtype, dict[int, float]]:
+    """Best ms per call of y = x W^T with W [out, in] at each dtype, pre-packed when oneDNN can, for each row
+    count. The calls cycle through enough distinct weights that they are read from memory, as a model's are,
+    and the dtypes take turns rep by rep, so a busy neighbour slows both alike rather than whichever ran then."""
+    copies = min(_MAX_COPIES, max(2, _PROBE_BYTES // (out_features * in_features * 4)))
+    runs = {}
+    for dtype in dtypes:
+        pack = cpu_prepack_supported(dtype)
+        weights = []
+        for _ in range(copies):  # one dense weight at a time, so the probe's peak stays near its weights' bytes
+            w = torch.randn(out_features, in_features).to(dtype)
+            weights.append(torch.ops.mkldnn._reorder_linear_weight(w) if pack else w)
+        runs[dtype] = (pack, weights)
 
-    def run(x: torch.Tensor, i: int) -> torch.Tensor:
-        if pack:
-            return torch.ops.mkldnn._linear_pointwise(x, weights[i], None, "none", [], "")
-        return F.linear(x, weights[i])
-    best = {}
-    for m in rows:
-        x = torch.randn(m, in_features).to(dtype)
-        run(x, 0)  # first call: oneDNN builds its primitive
-        times = []
-        for _ in range(_REPS):
-            start = time.perf_counter()
-            for i in range(copies):
-                run(x, i)
-            times.append((time.perf_counter() - start) / copies)
-        best[m] = min(times) * 1e3
+    def one_pass(dtype: torch.dtype, x: torch.Tensor) -> float:
+        pack, weights = runs[dtype]
+        start = time.perf_counter()
+        for w in weights:
+            if pack:
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            else:
+                F.linear(x, w)
+        return (time.perf_counter() - start) / len(weights) * 1e3
+
+    best = {dtype: {m: float("inf") for m in rows} for dtype in dtypes}
+    inputs = {(dtype, m): torch.randn(m, in_features).to(dtype) for dtype in dtypes for m in rows}
+    for (dtype, m), x in inputs.items():  # first calls: oneDNN builds its primitives
+        one_pass(dtype, x)
+    for _ in range(_REPS):
+        for (dtype, m), x in inputs.items():
+            best[dtype][m] = min(best[dtype][m], one_pass(dtype, x))
     return best
 
 
@@ -78,8 +85,8 @@ def probe_cpu_dtype(checkpoint_dtype: torch.dtype, hidden_size: int, intermediat
         return DtypeChoice(torch.float32, f"the checkpoint is {str(checkpoint_dtype).removeprefix('torch.')}; "
                                           "float32 holds its values exactly")
     shape = (2 * intermediate_size, hidden_size)  # the fused gate/up matrix: the largest per layer
-    f32 = _matmul_ms(torch.float32, *shape, _PROBE_ROWS)
-    bf16 = _matmul_ms(torch.bfloat16, *shape, _PROBE_ROWS)
+    timed = _matmul_ms((torch.float32, torch.bfloat16), *shape, _PROBE_ROWS)
+    f32, bf16 = timed[torch.float32], timed[torch.bfloat16]
     native = "native bf16" if cpu_has_native_bf16() else "no native bf16 in the CPU flags"
     timings = ", ".join(f"{m} rows {bf16[m]:.2f} vs {f32[m]:.2f} ms" for m in _PROBE_ROWS)
     faster = all(bf16[m] < f32[m] for m in _PROBE_ROWS)

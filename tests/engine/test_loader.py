@@ -156,8 +156,8 @@ def test_dtype_probe_picks_bf16_only_when_faster_at_every_size(monkeypatch, bf16
     """The CPU's speed is what lies outside the rule: fake the timings (float32: 0.5 ms at 1 row, 2 ms at 32)."""
     from rawserve.engine import dtype_probe
 
-    def fake(dtype, out_features, in_features, rows):
-        return dict(zip(rows, bf16_ms if dtype == torch.bfloat16 else (0.5, 2.0)))
+    def fake(dtypes, out_features, in_features, rows):
+        return {dtype: dict(zip(rows, bf16_ms if dtype == torch.bfloat16 else (0.5, 2.0))) for dtype in dtypes}
 
     monkeypatch.setattr(dtype_probe, "_matmul_ms", fake)
     choice = dtype_probe.probe_cpu_dtype(torch.bfloat16, 64, 128)
