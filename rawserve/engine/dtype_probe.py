@@ -39,6 +39,7 @@ def cpu_has_native_bf16() -> bool:
 class DtypeChoice:
     dtype: torch.dtype
     reason: str  # for the startup log
+    timings: dict[torch.dtype, dict[int, float]] | None = None  # the probe's best ms per call, by dtype and rows
 
 
 def _matmul_ms(dtypes: tuple[torch.dtype, ...], out_features: int, in_features: int, rows: tuple[int, ...]
@@ -93,4 +94,4 @@ def probe_cpu_dtype(checkpoint_dtype: torch.dtype, hidden_size: int, intermediat
     dtype = torch.bfloat16 if faster else torch.float32
     verdict = "bfloat16 is faster" if faster else "bfloat16 is not faster at every size"
     return DtypeChoice(dtype, f"bf16 checkpoint, probe of a {shape[0]}x{shape[1]} matmul, bf16 vs float32: "
-                              f"{timings} ({verdict}; {native})")
+                              f"{timings} ({verdict}; {native})", timed)

@@ -41,7 +41,7 @@ def resolve_dtype(config: EngineConfig, cfg: ModelConfig, device: torch.device) 
     if device.type != "cpu":
         return DtypeChoice(cfg.dtype, f"--dtype auto: the checkpoint's dtype on {device.type}")
     choice = probe_cpu_dtype(cfg.dtype, cfg.hidden_size, cfg.intermediate_size)
-    return DtypeChoice(choice.dtype, f"--dtype auto: {choice.reason}")
+    return DtypeChoice(choice.dtype, f"--dtype auto: {choice.reason}", choice.timings)
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,

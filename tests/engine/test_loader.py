@@ -144,9 +144,10 @@ def test_dtype_auto_keeps_a_float32_checkpoint_in_float32_and_honours_the_flag()
 def test_dtype_auto_on_a_bf16_checkpoint_follows_the_probe_it_ran():
     """The real probe runs; whichever way it goes, the choice is what its own timings say."""
     choice = resolve_dtype(EngineConfig(), _cfg(torch.bfloat16), torch.device("cpu"))
-    times = re.findall(r"(\d+) rows ([\d.]+) vs ([\d.]+) ms", choice.reason)
-    assert [int(m) for m, _, _ in times] == [1, 32], choice.reason
-    bf16_faster = all(float(bf16) < float(f32) for _, bf16, f32 in times)
+    assert re.search(r"1 rows [\d.]+ vs [\d.]+ ms, 32 rows [\d.]+ vs [\d.]+ ms", choice.reason), choice.reason
+    bf16, f32 = choice.timings[torch.bfloat16], choice.timings[torch.float32]
+    assert sorted(bf16) == sorted(f32) == [1, 32]
+    bf16_faster = all(bf16[m] < f32[m] for m in (1, 32))
     assert choice.dtype == (torch.bfloat16 if bf16_faster else torch.float32), choice.reason
 
 
