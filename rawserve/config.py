@@ -85,6 +85,12 @@ class EngineConfig:
                 "auto (on with a CUDA device and --attention-backend triton, else off), on, off.",
         "choices": CUDA_GRAPHS})
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
+    num_threads: int | str = field(default="auto", metadata={
+        "help": "The engine's intra-op (OpenMP) threads, or auto: OMP_NUM_THREADS when set, else the CPUs this "
+                "process may use (its affinity mask, capped by a cgroup CPU quota rounded down), less one left to "
+                "the front process above 4. A spawned engine also gets OMP_WAIT_POLICY=PASSIVE and KMP_BLOCKTIME=0 "
+                "unless the environment sets its own (OMP_WAIT_POLICY, GOMP_SPINCOUNT, KMP_BLOCKTIME).",
+        "type": lambda text: text if text == "auto" else int(text)})
     enable_lora: bool = field(default=False, metadata={
         "help": "Serve LoRA adapters (implied by --lora-modules): reserves --max-loras slots of rank "
                 "--max-lora-rank on every decoder linear."})
@@ -150,6 +156,12 @@ class EngineConfig:
             _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", "must be > 0")
         _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_threads != "auto":
+            try:
+                self.num_threads = int(self.num_threads)
+            except (TypeError, ValueError):
+                _check(False, "num_threads", f"must be auto or a number of threads, got {self.num_threads!r}")
+            _check(self.num_threads >= 1, "num_threads", f"must be >= 1, got {self.num_threads}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")

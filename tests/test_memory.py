@@ -137,7 +137,7 @@ def test_process_metrics_agree_with_prometheus_client():
 def child_cgroup(tmp_name: str, limit_bytes: int) -> tuple[pathlib.Path, str]:
     """A new cgroup under this process's own memory cgroup with `limit_bytes`; (its directory, the file that
     reports its peak). Skips when the machine does not let this test make one."""
-    for version, directory, _ in memory._cgroup_dirs(pathlib.Path("/proc/self"), pathlib.Path("/")):
+    for version, directory, _ in memory.cgroup_dirs(pathlib.Path("/proc/self"), pathlib.Path("/")):
         child = directory / tmp_name
         try:
             child.mkdir()

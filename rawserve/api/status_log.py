@@ -77,6 +77,9 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
         kv += (f", {kv_bytes / (1 << 20):.1f} MiB" if isinstance(kv_bytes, int) else "") + ")"
         if info.get("kv_cache_reason"):
             kv += f" [{info['kv_cache_reason']}]"
+    threads = ""
+    if isinstance(info.get("num_threads"), int):
+        threads = f", {info['num_threads']} engine threads [{info.get('threads_reason', '?')}]"
     host = server_config.host
     url = f"{server_config.scheme}://{'[' + host + ']' if ':' in host else host}:{port}/v1"
     lora = ""
@@ -85,7 +88,7 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
         lora = (f", LoRA adapters: {names} ({engine_config.max_loras} resident at once, rank <= "
                 f"{engine_config.max_lora_rank})")
     return (f"serving {model_name!r} from {model_dir}: {architecture}, {format_count(num_params)} parameters, "
-            f"dtype {info.get('dtype', engine_config.dtype)}, device {info.get('device', engine_config.device)}, "
+            f"dtype {info.get('dtype', engine_config.dtype)}, device {info.get('device', engine_config.device)}{threads}, "
             f"max_model_len {info.get('max_model_len', '?')}, KV cache {kv}{lora}, engine in a "
             f"{server_config.engine_mode}, listening on {url}, API key {'on' if server_config.api_key or server_config.api_key_file else 'off'}")
 

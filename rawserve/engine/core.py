@@ -4,14 +4,17 @@ Core side: token ids in, RequestOutputs out. No asyncio, HTTP, API or text; stop
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
+import logging
 import pathlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from rawserve.config import EngineConfig
+from rawserve.engine.cpu_budget import ThreadPlan, plan_threads
 from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
 from rawserve.engine.guided.vocab import load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
@@ -24,6 +27,8 @@ from rawserve.engine.scheduler import Scheduler
 from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
 
+log = logging.getLogger("rawserve.engine.core")
+
 
 class EngineCore:
     """Owns the requests, the scheduler, the KV block manager (`blocks`), the sampler and a model runner.
@@ -34,6 +39,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
+        self.threads: ThreadPlan | None = None  # set by make_engine_core, which sized torch's threads
         self.runner = runner if runner is not None else ModelRunner(config)
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
@@ -363,6 +369,16 @@ class EngineCore:
                 req.prompt_logprobs_done = True
 
 
-def make_engine_core(config: EngineConfig) -> EngineCore:
-    """Module-level factory: functools.partial(make_engine_core, config) pickles into a spawned process."""
-    return EngineCore(config)
+def make_engine_core(config: EngineConfig, threads: ThreadPlan | None = None) -> EngineCore:
+    """Module-level factory: functools.partial(make_engine_core, config) pickles into a spawned process.
+
+    Sets torch's intra-op threads from `threads` (default: planned here from config.num_threads) first, so
+    the load and the start-up probes already run on them; `core.threads` is the plan with the count torch
+    then reports."""
+    threads = plan_threads(config.num_threads) if threads is None else threads
+    torch.set_num_threads(threads.num_threads)
+    threads = dataclasses.replace(threads, num_threads=torch.get_num_threads())
+    log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
+    core = EngineCore(config)
+    core.threads = threads
+    return core

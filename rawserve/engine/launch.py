@@ -11,21 +11,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from rawserve.config import EngineConfig
+from rawserve.engine.cpu_budget import ThreadPlan, plan_threads
 
 
 @dataclass(frozen=True, slots=True)
 class CoreFactory:
-    """`CoreFactory(config)()` is `EngineCore(config)`; it pickles as its config (and log level) alone.
+    """`CoreFactory(config)()` is `EngineCore(config)` running on `threads`; it pickles as its config, log level
+    and thread plan alone.
 
-    `log_level` is the server's --log-level, for a spawned core to set up its own logging with.
+    `log_level` is the server's --log-level, for a spawned core to set up its own logging with. `threads` is
+    planned where the factory is made (the server's process, whose CPUs and environment a spawned core
+    inherits), so the core applies the plan and its reason as the launcher saw them.
     """
     config: EngineConfig
     log_level: str = "info"
+    threads: ThreadPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is None:
+            object.__setattr__(self, "threads", plan_threads(self.config.num_threads))
 
     def __call__(self) -> Any:
         from rawserve.engine.core import make_engine_core
 
-        return make_engine_core(self.config)
+        return make_engine_core(self.config, self.threads)
 
 
 def describe_core(core: Any) -> dict:
@@ -41,6 +50,9 @@ def describe_core(core: Any) -> dict:
         model = getattr(runner, "model", None)
         if model is not None and hasattr(model, "parameters"):
             out["num_params"] = sum(p.numel() for p in model.parameters())
+    threads = getattr(core, "threads", None)
+    if isinstance(threads, ThreadPlan):  # the count torch reported after applying it, and why
+        out["num_threads"], out["threads_reason"] = threads.num_threads, threads.reason
     if isinstance(getattr(core, "block_size", None), int):
         out["block_size"] = core.block_size
     plan = getattr(runner, "kv_plan", None)

@@ -52,9 +52,10 @@ def _mounts(proc_self: pathlib.Path) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def _cgroup_dirs(proc_self: pathlib.Path, mount_prefix: pathlib.Path) -> list[tuple[str, pathlib.Path, pathlib.Path]]:
-    """(version, this process's cgroup directory, the mount point) for the memory controller: v2's unified
-    hierarchy, or v1's memory hierarchy."""
+def cgroup_dirs(proc_self: pathlib.Path, mount_prefix: pathlib.Path,
+                controller: str = "memory") -> list[tuple[str, pathlib.Path, pathlib.Path]]:
+    """(version, this process's cgroup directory, the mount point) for `controller` (memory, cpu): v2's
+    unified hierarchy, or v1's hierarchy of that controller."""
     found = []
     mounts = _mounts(proc_self)
     for line in (_read(proc_self / "cgroup") or "").splitlines():
@@ -64,8 +65,8 @@ def _cgroup_dirs(proc_self: pathlib.Path, mount_prefix: pathlib.Path) -> list[tu
         _, controllers, path = parts
         if controllers == "":
             version, wanted = "v2", lambda fs, opts: fs == "cgroup2"
-        elif "memory" in controllers.split(","):
-            version, wanted = "v1", lambda fs, opts: fs == "cgroup" and "memory" in opts.split(",")
+        elif controller in controllers.split(","):
+            version, wanted = "v1", lambda fs, opts: fs == "cgroup" and controller in opts.split(",")
         else:
             continue
         for root, point, fs, opts in mounts:
@@ -101,7 +102,7 @@ def cgroup_headroom(proc_self: pathlib.Path = pathlib.Path("/proc/self"),
     """The tightest cgroup memory limit over this process's cgroup and its ancestors (each binds), as the
     bytes left under it; None when no cgroup sets one."""
     best: Headroom | None = None
-    for version, directory, top in _cgroup_dirs(proc_self, mount_prefix):
+    for version, directory, top in cgroup_dirs(proc_self, mount_prefix):
         while True:
             found = _limit_and_usage(version, directory)
             if found is not None:

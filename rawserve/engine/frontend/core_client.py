@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from rawserve.engine.cpu_budget import export_environment, restore_environment
 from rawserve.engine.launch import run_core_loop
 from rawserve.engine.ipc import TRANSPORTS, make_channel
 from rawserve.engine.messages import Message, MsgKind
@@ -51,11 +53,25 @@ class CoreClient:
         self._in_tx, in_rx = make_channel(self.transport, self._context, threaded_sender=True)
         out_tx, self._out_rx = make_channel(self.transport, self._context)
         args = (self.factory, in_rx, out_tx)
+        threads = getattr(self.factory, "threads", None)  # launch.CoreFactory's ThreadPlan; a test's fake has none
+        env = dict(threads.env) if threads is not None else {}
         if self._context is None:
             self.worker = threading.Thread(target=run_core_loop, args=args, name="rawserve-core", daemon=True)
+            # The core shares this process: OpenMP reads its variables once, when torch loads its runtime. Before
+            # that (the server imports no torch) they are set here for good; after it, only the thread count can
+            # still change (torch.set_num_threads in make_engine_core), and the wait policy stays as loaded.
+            if env and "torch" not in sys.modules:
+                export_environment(env)
+            self.worker.start()
         else:
             self.worker = self._context.Process(target=run_core_loop, args=args, name="rawserve-core", daemon=True)
-        self.worker.start()
+            # The spawned interpreter inherits this environment at exec, before it imports torch; this
+            # process's own is put back once it has started.
+            previous = export_environment(env)
+            try:
+                self.worker.start()
+            finally:
+                restore_environment(previous)
         if self._context is not None:
             in_rx.detach()  # the child's ends: closing ours lets its exit read as end-of-file
             out_tx.detach()
@@ -98,9 +114,11 @@ class CoreClient:
         """Move core messages onto the event loop; report the core's exit."""
         worker = self.worker
         sentinel = getattr(worker, "sentinel", None)  # a process: wait() wakes the moment it dies
+        # With a sentinel the pump sleeps until the core speaks or dies: an idle server wakes it for nothing.
+        poll_s = _PUMP_POLL_S if sentinel is None else None
         while True:
             try:
-                msgs = self._out_rx.recv(_PUMP_POLL_S, watch=sentinel)
+                msgs = self._out_rx.recv(poll_s, watch=sentinel)
             except (EOFError, OSError):
                 break
             if msgs and not self._post(on_messages, msgs):
