@@ -193,6 +193,9 @@ def test_console_script_serves_with_a_process_core_and_logs_startup_and_access(d
         assert part in summary, (part, summary)
     # The spawned core logs too (its model line), in the same format, under its own process name.
     assert re.search(r" INFO rawserve-core rawserve\.engine: model .* on cpu", log), log
+    # It sized its threads from the CPUs it may use (--num-threads auto) and says so, as does the summary.
+    assert re.search(r"rawserve-core rawserve\.engine\.core: engine threads: \d+ \((auto: |OMP_NUM_THREADS)", log), log
+    assert re.search(r"\d+ engine threads \[(auto|OMP_NUM_THREADS)", summary), summary
     access = [line for line in log.splitlines() if "rawserve.access" in line and "/v1/completions" in line]
     assert len(access) == 1, log
     assert re.search(r'127\.0\.0\.1:\d+ "POST /v1/completions" 200 prompt_tokens=\d+ output_tokens=3 ttft_ms=[\d.]+ '

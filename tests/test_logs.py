@@ -111,8 +111,10 @@ def test_startup_summary_names_everything_an_operator_checks(tmp_path):
     line = startup_summary(EngineConfig(model_dir=str(demo)), ServerConfig(host="0.0.0.0", api_key=["k"]), "demo",
                            {"max_model_len": 512, "num_blocks": 10, "block_size": 16, "dtype": "float32",
                             "device": "cpu", "kv_cache_bytes": 5 << 20,
-                            "kv_cache_reason": "what 1 sequences x 160 tokens can use"}, 8001)
-    for part in (str(demo), "Qwen3ForCausalLM", "1.05M parameters", "dtype float32", "device cpu", "max_model_len 512",
+                            "kv_cache_reason": "what 1 sequences x 160 tokens can use", "num_threads": 2,
+                            "threads_reason": "auto: 2 CPUs in the affinity mask"}, 8001)
+    for part in (str(demo), "Qwen3ForCausalLM", "1.05M parameters", "dtype float32", "device cpu",
+                 "2 engine threads [auto: 2 CPUs in the affinity mask]", "max_model_len 512",
                  "KV cache 160 tokens (10 blocks of 16, 5.0 MiB) [what 1 sequences x 160 tokens can use]",
                  "engine in a process",
                  "listening on http://0.0.0.0:8001/v1", "API key on"):
