@@ -2,7 +2,7 @@
 one and two busy processes pinned to the server's CPUs, for rawserve and llama.cpp's llama-server in one run.
 
 python -m bench.contention [--cases stream1,stream8,n8,n8-demo] [--servers rawserve,llama] [--busy python|torch]
-                           [--rounds 1] [--max-tokens 64] [--rawserve-flags "--num-threads 1"]
+                           [--rounds 1] [--max-tokens 64] [--rawserve-flags FLAGS ...]
 Servers start once and stay up; each round measures every case at each load level for each server in turn, so
 the servers see the same neighbours step by step. One JSON line per (case, server): alone, beside1, beside2 and
 the slowdowns (alone / beside for tok/s, beside / alone for latency; medians over rounds), after a meta line
@@ -81,7 +81,7 @@ async def measure(case: str, server: str, port: int, model: str, max_tokens: int
     body = {"model": model, "prompt": PROMPT, "temperature": 1.0, "ignore_eos": True, "seed": 1}
     if case.startswith("n8"):
         body["max_tokens"] = n8_tokens
-        if server == "rawserve":
+        if server.startswith("rawserve"):
             calls = [call("127.0.0.1", port, "/v1/completions", {**body, "n": 8})]
         else:
             calls = [call("127.0.0.1", port, "/v1/completions", body) for _ in range(8)]
@@ -119,33 +119,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n8-tokens", type=int, default=200, help="Output tokens of each of the n=8 sequences.")
     parser.add_argument("--model-dir", default=str(PEERS / "models/qwen3-tiny-random"))
     parser.add_argument("--gguf", default=str(PEERS / "gguf/qwen3-tiny-random-f32.gguf"))
-    parser.add_argument("--rawserve-flags", default="", help="More flags for both rawserve servers.")
+    parser.add_argument("--rawserve-flags", action="append", default=None,
+                        help="More flags for rawserve's servers; repeat it to run each variant side by side "
+                             "(e.g. --rawserve-flags= --rawserve-flags='--num-threads 1': with '=', as the value starts with --).")
     parser.add_argument("--llama-port", type=int, default=8091)
     args = parser.parse_args(argv)
     # A SIGTERM (timeout, a CI's kill) unwinds through the finally below: no server or neighbour outlives us.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = args.cases.split(",")
-    servers = args.servers.split(",")
-    extra = ["--dtype", "float32", "--max-model-len", "512",
-             *shlex.split(args.rawserve_flags)]
+    variants = args.rawserve_flags or [""]
+    servers = [name for name in args.servers.split(",") if name != "rawserve"]
+    if "rawserve" in args.servers.split(","):
+        servers[:0] = [f"rawserve {flags}".strip() for flags in variants]
     started: dict[tuple[str, str], tuple[int, str]] = {}  # (server, model) -> (port, served name)
     to_stop: list = []
     try:
-        if "rawserve" in servers and any(case != "n8-demo" for case in cases):
-            proc, port = start_server([*extra, "--served-model-name", "tiny"], args.model_dir)
-            to_stop.append(proc)
-            started["rawserve", "tiny"] = (port, "tiny")
-        if "rawserve" in servers and "n8-demo" in cases:
-            proc, port = start_server(extra)
-            to_stop.append(proc)
-            started["rawserve", "demo"] = (port, "rawserve-demo")
+        for flags in variants if servers[0].startswith("rawserve") else ():
+            name, extra = f"rawserve {flags}".strip(), ["--dtype", "float32", "--max-model-len", "512",
+                                                         *shlex.split(flags)]
+            if any(case != "n8-demo" for case in cases):
+                proc, port = start_server([*extra, "--served-model-name", "tiny"], args.model_dir)
+                to_stop.append(proc)
+                started[name, "tiny"] = (port, "tiny")
+            if "n8-demo" in cases:
+                proc, port = start_server(extra)
+                to_stop.append(proc)
+                started[name, "demo"] = (port, "rawserve-demo")
         if "llama" in servers and any(case != "n8-demo" for case in cases):
             to_stop.append(start_llama(args.llama_port, pathlib.Path(args.gguf), 8))
             started["llama", "tiny"] = (args.llama_port, "tiny")
         cpus = os.sched_getaffinity(0)
         print(json.dumps({"meta": True, "load_avg": os.getloadavg(), "cpus": sorted(cpus), "busy": args.busy,
                           "rounds": args.rounds, "max_tokens": args.max_tokens,
-                          "n8_tokens": args.n8_tokens, "rawserve_flags": args.rawserve_flags, "rev": rev()}), flush=True)
+                          "n8_tokens": args.n8_tokens, "rawserve_variants": variants, "rev": rev()}),
+              flush=True)
         plan = [(case, server, started[server, "demo" if case == "n8-demo" else "tiny"]) for case in cases
                 for server in servers if (server, "demo" if case == "n8-demo" else "tiny") in started]
         for case, server, (port, model) in plan:  # warm up every path once

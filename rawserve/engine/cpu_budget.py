@@ -133,7 +133,7 @@ def plan_threads(setting: int | str, environ: Mapping[str, str] | None = None,
     else:
         budget = cpu_budget() if budget is None else budget
         count = auto_threads(budget.cpus)
-        spare = "" if count == budget.cpus else f", one left to the front process"
+        spare = "" if count == budget.cpus else ", one left to the front process"
         reason = f"auto: {budget.source}{spare}"
     env = {"OMP_NUM_THREADS": str(count)}
     if not any(name in environ for name in _WAIT_VARS):
