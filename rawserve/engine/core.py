@@ -23,6 +23,7 @@ from rawserve.engine.sampler import Sampler, token_logprobs
 from rawserve.engine.scheduler import Scheduler
 from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
+from rawserve.process_stats import release_free_heap
 
 
 class EngineCore:
@@ -69,6 +70,7 @@ class EngineCore:
         # pass cost ~150 ms, one step in a few dozen.
         gc.collect()
         gc.freeze()
+        release_free_heap()  # what loading, the profiled step and the vocabulary index freed
 
     def guided_registry(self) -> GuidedRegistry:
         """Grammars and the vocabulary index they walk (ValueError, failing that request alone, without one)."""

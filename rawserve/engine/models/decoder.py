@@ -6,6 +6,7 @@ q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls); the lo
 from __future__ import annotations
 
 import math
+import mmap
 import types
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from rawserve.engine.attention import get_backend
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.loader import ModelConfig, Target
+from rawserve.engine.loader import ModelConfig, Target, TensorEntry, map_tensor
 from rawserve.engine.lora import LoraBatch, LoraWeights
 
 
@@ -186,6 +187,7 @@ class DecoderModel(nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head pre-packed by prepack()
+        self.embedding_file: mmap.mmap | None = None  # the checkpoint file under embed_tokens (map_embedding)
         self.rope_cos: torch.Tensor | None = None  # [max_pos, D] float32, built by init_rope() (see apply_rope)
         self.rope_sin: torch.Tensor | None = None
 
@@ -227,10 +229,9 @@ class DecoderModel(nn.Module):
     def prepack(self) -> None:
         """CPU: pre-pack every matmul weight (see DecoderLayer.prepack), the LM head included.
 
-        A tied head is packed as a second copy (the embedding lookup needs the dense rows, held at the
-        checkpoint's dtype when narrower: narrow_embedding): the vocabulary matmul is the largest single
-        weight read of a decode step, and packed it runs faster (152k x 256 float32, 2 cores: 40 vs 48 ms
-        at 1 row, 81 vs 257 ms at 32, 613 vs 1006 ms at 256), which pays for the copy.
+        A tied head is packed from the embedding (the lookups then read the checkpoint file, map_embedding): the
+        vocabulary matmul is the largest single weight read of a decode step, and packed it runs faster (152k x
+        256 float32, 2 cores: 40 vs 48 ms at 1 row, 81 vs 257 ms at 32, 613 vs 1006 ms at 256).
         """
         for layer in self.layers:
             layer.prepack()
@@ -238,12 +239,22 @@ class DecoderModel(nn.Module):
         self.packed_head = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.norm.dtype))
         if self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        if self.embedding_file is not None:  # packing read every row: drop them from this process's pages
+            self.embedding_file.madvise(mmap.MADV_DONTNEED)
+
+    def map_embedding(self, entry: TensorEntry) -> None:
+        """Before loading, for an embedding no matmul reads (the head untied, or packed): serve lookups from the
+        checkpoint file itself, at its dtype (loader.map_tensor). A step reads one row per token, so only the
+        rows in use are resident, as clean page cache shared with the file's, never a copy; the lookup casts
+        its rows to the model's dtype, which is exact (the same cast a load would make)."""
+        tensor, self.embedding_file = map_tensor(entry)
+        self.embed_tokens.data = tensor
 
     def narrow_embedding(self, head_packed: bool) -> None:
-        """Before loading: hold the embedding at the checkpoint's dtype when that is narrower and no matmul
-        reads it (the head is untied, or will be packed). Its values come from that dtype, so the lookup's cast
-        back is exact; a bf16 checkpoint served in float32 keeps half the bytes of its largest tensor, and
-        loads it with no conversion buffer."""
+        """Before loading, where map_embedding cannot serve it (a tensor misaligned in its file): hold the
+        embedding at the checkpoint's dtype when that is narrower and no matmul reads it (the head is untied, or
+        will be packed). Its values come from that dtype, so the lookup's cast back is exact; a bf16 checkpoint
+        served in float32 keeps half the bytes of its largest tensor, and loads it with no conversion buffer."""
         narrow = self.cfg.dtype
         is_head = self.lm_head is None and not head_packed
         if is_head or not narrow.is_floating_point or narrow.itemsize >= self.embed_tokens.dtype.itemsize:
