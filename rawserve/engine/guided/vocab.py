@@ -144,8 +144,6 @@ def is_vocab_index_cached(model_dir: str | os.PathLike, vocab_size: int) -> bool
 
 def load_vocab_index(model_dir: str | os.PathLike, vocab_size: int) -> VocabIndex:
     """The model's VocabIndex, from the disk cache when the tokenizer is unchanged."""
-    from rawserve.text.tokenizer import Tokenizer  # the core loads text only for this
-
     model_dir = pathlib.Path(model_dir)
     key = _cache_key(model_dir, vocab_size)
     candidates = _cache_path(model_dir, key)
@@ -157,6 +155,9 @@ def load_vocab_index(model_dir: str | os.PathLike, vocab_size: int) -> VocabInde
                     return VocabIndex.from_state_dict(state)
             except (OSError, RuntimeError, ValueError, EOFError) as error:  # a torn or foreign file: rebuild
                 log.warning("ignoring vocabulary cache %s: %s", path, error)
+    # The core loads text (tokenizers, jinja2) only to build the index, not to read it from the cache.
+    from rawserve.text.tokenizer import Tokenizer
+
     began = time.perf_counter()
     tok = Tokenizer.from_dir(model_dir)
     index = VocabIndex(tok.vocab_bytes(), set(tok.added_token_ids), vocab_size)
