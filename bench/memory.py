@@ -99,14 +99,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_healthy(port: int, proc: subprocess.Popen, path: str, timeout_s: float = 600) -> None:
+    """Until `path` answers 200: rawserve's /health does while the model loads, its /ready once it serves."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
+            conn.request("GET", path)
             if conn.getresponse().status == 200:
                 return
         except OSError:
@@ -161,7 +162,7 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
     out: dict = {"bench": "memory", "server": label}
     try:
         t0 = time.monotonic()
-        wait_healthy(port, proc)
+        wait_healthy(port, proc, "/ready" if label == "rawserve" else "/health")
         out["startup_s"] = round(time.monotonic() - t0, 1)
         out["startup_peak_mib"] = round(sampler.peak_kib / 1024, 1)
         try:  # rawserve says its KV pool's bytes; llama-server has no such field

@@ -1,16 +1,33 @@
-"""The standard process_* metrics (as Prometheus client libraries export them) read from /proc, and the engine
-core process's resident memory when it runs apart.
+"""The standard process_* metrics (as Prometheus client libraries export them) read from /proc, the engine
+core process's resident memory when it runs apart, and handing the C heap's free pages back (release_free_heap).
 
 Standard library only; on a system without /proc it renders nothing.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import pathlib
 import resource
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def release_free_heap() -> bool:
+    """Return the C heap's free pages to the kernel (glibc's malloc_trim); False where libc has none (musl, macOS).
+
+    glibc gives back only the free memory at the top of its heap on its own. A build that allocates and frees a
+    lot leaves the rest resident: loading Qwen3's tokenizer.json (152k tokens, 151k merges) peaks at ~114 MiB over
+    a tokenizer that keeps 19, and the core's profiled step leaves ~30 MiB behind.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
 
 
 def _boot_time_s() -> float | None:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ctypes
-import ctypes.util
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rawserve.http import Request
+from rawserve.process_stats import release_free_heap
 
 log = logging.getLogger("rawserve.api")
 
@@ -21,20 +20,6 @@ LARGE_BODY_BYTES = 1 << 20  # bodies from here on take a slot
 LARGE_BODY_SLOTS = 2
 
 _held: contextvars.ContextVar[list | None] = contextvars.ContextVar("rawserve_large_body", default=None)
-
-
-def _malloc_trim() -> Callable[[], Any] | None:
-    """glibc's malloc_trim(0): freed arenas (the tokenizer threads' included) go back to the system, where
-    free() alone keeps them for reuse. None elsewhere."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    return functools.partial(trim, 0)
 
 
 class BodyGate:
@@ -45,7 +30,6 @@ class BodyGate:
         self.threshold = threshold
         self._slots = asyncio.Semaphore(slots)
         self._num_active = 0
-        self._trim = _malloc_trim()
 
     def wrap(self, handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
         @functools.wraps(handler)
@@ -68,8 +52,8 @@ class BodyGate:
         held[0] = None
         self._num_active -= 1
         self._slots.release()
-        if self._num_active == 0 and self._trim is not None:
-            self._trim()  # the peak is over: a few ms, once per burst of large bodies
+        if self._num_active == 0:
+            release_free_heap()  # the peak is over: a few ms, once per burst of large bodies
 
 
 def release_early() -> None:

@@ -16,7 +16,7 @@ import torch
 from rawserve.config import EngineConfig
 from rawserve.engine.cpu_budget import ThreadPlan, plan_threads
 from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
-from rawserve.engine.guided.vocab import load_vocab_index
+from rawserve.engine.guided.vocab import is_vocab_index_cached, load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.lora import LoraAdapter, LoraError, read_adapter
 from rawserve.engine.model_runner import ModelRunner
@@ -26,6 +26,7 @@ from rawserve.engine.sampler import Sampler, token_logprobs
 from rawserve.engine.scheduler import Scheduler
 from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
+from rawserve.process_stats import release_free_heap
 
 log = logging.getLogger("rawserve.engine.core")
 
@@ -62,12 +63,20 @@ class EngineCore:
             self.load_lora(name, path)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
-        # The vocabulary index guided decoding walks, built here rather than on the first guided request: that
-        # build (2.5 s for Qwen3's 151k tokens on a first run, 0.07 s from the disk cache) would stall every
-        # other request's step. A checkpoint without a tokenizer gets none; its guided requests are refused.
+        # The vocabulary index guided decoding walks (~35 MiB for Qwen3's 151k tokens) is read from its disk cache
+        # at the first guided request (tens of ms, once), so a server that never gets one never holds it. Building
+        # it takes seconds (2.5 s for Qwen3 on a first run) and would stall every other request's step: that
+        # happens here, at start, and the index is kept only where no cache file could be written. A checkpoint
+        # without a tokenizer gets none; its guided requests are refused.
         self._guided: GuidedRegistry | None = None
+        self._guided_dir: pathlib.Path | None = None
         if config.model_dir is not None and (pathlib.Path(config.model_dir) / "tokenizer.json").is_file():
-            self._guided = GuidedRegistry(load_vocab_index(config.model_dir, self.vocab_size), self.runner.device)
+            self._guided_dir = pathlib.Path(config.model_dir)
+            if not is_vocab_index_cached(self._guided_dir, self.vocab_size):
+                index = load_vocab_index(self._guided_dir, self.vocab_size)
+                if not is_vocab_index_cached(self._guided_dir, self.vocab_size):
+                    self._guided = GuidedRegistry(index, self.runner.device)
+                del index
         self.steps = 0
         self._arrivals = itertools.count()
         # Everything alive now (torch, the model, the server if it shares the process) lives as long as the
@@ -75,11 +84,14 @@ class EngineCore:
         # pass cost ~150 ms, one step in a few dozen.
         gc.collect()
         gc.freeze()
+        release_free_heap()  # what loading, the profiled step and the vocabulary index freed
 
     def guided_registry(self) -> GuidedRegistry:
         """Grammars and the vocabulary index they walk (ValueError, failing that request alone, without one)."""
         if self._guided is None:
-            raise ValueError("guided: this checkpoint has no tokenizer.json to build token masks from")
+            if self._guided_dir is None:
+                raise ValueError("guided: this checkpoint has no tokenizer.json to build token masks from")
+            self._guided = GuidedRegistry(load_vocab_index(self._guided_dir, self.vocab_size), self.runner.device)
         return self._guided
 
     def load_lora(self, name: str, path: str) -> None:

@@ -14,8 +14,8 @@ from rawserve.engine import memory
 from rawserve.engine.attention.metadata import AttentionMetadata, decode_splits
 from rawserve.engine.cuda_graphs import DecodeGraphs
 from rawserve.engine.dtype_probe import DtypeChoice, probe_cpu_dtype
-from rawserve.engine.loader import ModelConfig, load_weights, read_model_config, read_safetensors_header, \
-    safetensors_files
+from rawserve.engine.loader import ModelConfig, TensorEntry, can_map, load_weights, read_model_config, \
+    read_safetensors_header, safetensors_files
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.step_plan import ForwardBatch, StepInput
@@ -56,21 +56,45 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
         model = DecoderModel(cfg, dtype, attention_backend)
     model.to_empty(device=device)
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
-    model.narrow_embedding(head_packed=prepack)
-    load_weights(model_dir, model.targets())
+    targets = model.targets()
+    embedding = mapped_embedding(model_dir, cfg, device, prepack)
+    if embedding is not None:
+        model.map_embedding(embedding)
+        del targets[embedding.name]
+    else:
+        model.narrow_embedding(head_packed=prepack)
+    load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset())
     if prepack:
         model.prepack()
     return model.eval()
 
 
+def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device, packed: bool
+                     ) -> TensorEntry | None:
+    """The embedding's checkpoint entry when the model serves it from the file (DecoderModel.map_embedding): on
+    a CPU, when no matmul reads it (the head untied, or packed) and the file allows it; else None."""
+    if device.type != "cpu" or (cfg.tie_word_embeddings and not packed):
+        return None
+    for file in safetensors_files(model_dir):
+        for entry in read_safetensors_header(file):
+            if entry.name == "model.embed_tokens.weight":
+                usable = can_map(entry) and entry.shape == (cfg.vocab_size, cfg.hidden_size)
+                return entry if usable and entry.dtype.is_floating_point else None
+    return None
+
+
 def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelConfig, device: torch.device) -> int:
-    """Bytes the loaded weights take at `dtype`, from the safetensors headers (nothing read but them), with
-    the second copy a CPU's pre-packed tied LM head keeps (DecoderModel.prepack)."""
+    """Bytes the loaded weights take at `dtype`, from the safetensors headers (nothing read but them): a CPU's
+    pre-packed tied LM head counts once, and an embedding served from the file (mapped_embedding) not at all (its
+    pages are the page cache's, resident only as far as lookups touch them)."""
     size = torch.finfo(dtype).bits // 8
     packed = device.type == "cpu" and cpu_prepack_supported(dtype)
+    mapped = mapped_embedding(model_dir, cfg, device, packed)
     total = 0
     for file in safetensors_files(model_dir):
         for entry in read_safetensors_header(file):
+            if mapped is not None and entry.name == mapped.name and entry.file == mapped.file:
+                continue
             if entry.dtype.is_floating_point:
                 # DecoderModel.narrow_embedding: an embedding no matmul reads stays at the checkpoint's dtype
                 narrow = entry.name == "model.embed_tokens.weight" and (packed or not cfg.tie_word_embeddings)

@@ -222,3 +222,54 @@ def test_load_peak_memory_stays_within_1_3x_of_weights(tmp_path, tiny_qwen3_dir)
     assert size > 40_000_000
     assert peak <= 1.3 * size, f"peak {peak / 1e6:.1f} MB for {size / 1e6:.1f} MB of weights"
 
+
+
+def mapped_resident_kib(file) -> int:
+    """Resident KiB of this process's mappings of `file` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            inside = line.rstrip().endswith(str(file))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+def test_a_tied_head_is_packed_once_and_lookups_read_only_the_rows_they_touch(tmp_path):
+    """No second copy of a tied embedding: the head is packed, the lookups read the checkpoint file mapped, and
+    only the pages of rows looked up are resident (packing read every row, then dropped them)."""
+    from rawserve.engine.models.decoder import cpu_prepack_supported
+    from rawserve.engine.model_runner import weight_bytes
+
+    if not cpu_prepack_supported(torch.float32):
+        pytest.skip("oneDNN weight pre-packing is not available in this torch build")
+    path = make_hf_checkpoint(tmp_path / "tied", "qwen3", tied=True, dtype="bfloat16", vocab_size=32768,
+                              hidden_size=256)
+    file = path / "model.safetensors"
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    assert model.packed_head is not None and model.embedding_file is not None
+    assert mapped_resident_kib(file) == 0
+    ids = torch.tensor([5, 30000])
+    rows = torch.nn.functional.embedding(ids, model.embed_tokens).to(torch.float32)
+    # Two rows' pages, as the page cache maps them: folios of 4 KiB to 2 MiB (ext4 on Linux 6.16+), with 64 KiB
+    # of fault-around; not the 16 MiB table.
+    assert 0 < mapped_resident_kib(file) <= 2 * 2048 + 64
+    embedding = load_file(file)["model.embed_tokens.weight"]  # [32768, 256] bf16: 16 MiB
+    assert torch.equal(rows, embedding[ids].float())  # the rows cast after the lookup: exact
+    cfg = read_model_config(path)
+    others = sum(t.numel() for name, t in load_file(file).items() if name != "model.embed_tokens.weight")
+    assert weight_bytes(path, torch.float32, cfg, torch.device("cpu")) == 4 * (others + embedding.numel())
+
+
+def test_a_dtype_conversion_in_row_chunks_gives_the_same_values(tmp_path, monkeypatch):
+    """An untied bf16 head served in float32 converts through a staging buffer of a few rows (chunks that split
+    the fused q/k/v and the head many times over), not one of the whole tensor's size, to the same values."""
+    from rawserve.engine import loader
+
+    path = make_hf_checkpoint(tmp_path / "untied", "qwen2", dtype="bfloat16")
+    monkeypatch.setattr(loader, "STAGING_BYTES", 3 * 64 * 2)  # three 64-wide bf16 rows per chunk
+    model = load_model(path, torch.float32, torch.device("cpu"), prepack=False)
+    ref = load_file(path / "model.safetensors")
+    assert torch.equal(model.lm_head, ref["lm_head.weight"].float())
+    assert torch.equal(model.layers[1].qkv_proj[:64], ref["model.layers.1.self_attn.q_proj.weight"].float())

@@ -156,3 +156,26 @@ def test_max_tokens_cuts_a_constrained_output_with_length(core, tok):
     outs = run(core, {"cut": (tok.encode("go"), SamplingParams(max_tokens=3, temperature=0, guided=compiled))})
     ids, reason = outs["cut"]
     assert reason == "length" and len(ids) == 3 and ("x" * 50).startswith(text_of(tok, ids))
+
+
+def test_the_vocabulary_index_is_read_at_the_first_guided_request_once_cached(qwen3_real_tokenizer_dir, tok,
+                                                                              tmp_path, monkeypatch):
+    """A core whose tokenizer's index is on disk does not hold it (~35 MiB) until a guided request needs it; one
+    with nowhere to cache it builds it at start and keeps it, so no step ever waits seconds for the build."""
+    from rawserve.engine.guided import vocab
+    from rawserve.engine.loader import read_model_config
+
+    compiled = compile_grammar(Grammar({"root": parse_regex(r"[0-9]{3}")}), "three")
+    config = EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
+                          max_model_len=256)
+    vocab_size = read_model_config(qwen3_real_tokenizer_dir).vocab_size
+    vocab.load_vocab_index(qwen3_real_tokenizer_dir, vocab_size)  # the cache exists now
+    lazy = EngineCore(config)
+    assert lazy._guided is None
+    outs = run(lazy, {"g": (tok.encode("Count:"), SamplingParams(max_tokens=8, temperature=0, guided=compiled))})
+    assert re.fullmatch(r"[0-9]{3}", text_of(tok, outs["g"][0])) and lazy._guided is not None
+    # No cache file can be written (and none is there): built at start, kept.
+    (tmp_path / "a-file").write_text("")  # a file where the cache's folder would be: nothing can be written
+    monkeypatch.setattr(vocab, "_cache_path", lambda model_dir, key: [tmp_path / "a-file" / key])
+    eager = EngineCore(config)
+    assert eager._guided is not None

@@ -127,17 +127,25 @@ def _cache_path(model_dir: pathlib.Path, key: str) -> list[pathlib.Path]:
     return [model_dir / name, home / name]
 
 
-def load_vocab_index(model_dir: str | os.PathLike, vocab_size: int) -> VocabIndex:
-    """The model's VocabIndex, from the disk cache when the tokenizer is unchanged."""
-    from rawserve.text.tokenizer import Tokenizer  # the core loads text only for this
-
-    model_dir = pathlib.Path(model_dir)
+def _cache_key(model_dir: pathlib.Path, vocab_size: int) -> str:
     digest = hashlib.sha256(f"{_FORMAT}:{vocab_size}:".encode())
     for name in ("tokenizer.json", "tokenizer_config.json"):
         path = model_dir / name
         if path.exists():
             digest.update(path.read_bytes())
-    key = digest.hexdigest()[:16]
+    return digest.hexdigest()[:16]
+
+
+def is_vocab_index_cached(model_dir: str | os.PathLike, vocab_size: int) -> bool:
+    """Whether load_vocab_index would read its disk cache (tens of ms) rather than build (seconds)."""
+    model_dir = pathlib.Path(model_dir)
+    return any(path.exists() for path in _cache_path(model_dir, _cache_key(model_dir, vocab_size)))
+
+
+def load_vocab_index(model_dir: str | os.PathLike, vocab_size: int) -> VocabIndex:
+    """The model's VocabIndex, from the disk cache when the tokenizer is unchanged."""
+    model_dir = pathlib.Path(model_dir)
+    key = _cache_key(model_dir, vocab_size)
     candidates = _cache_path(model_dir, key)
     for path in candidates:
         if path.exists():
@@ -147,6 +155,9 @@ def load_vocab_index(model_dir: str | os.PathLike, vocab_size: int) -> VocabInde
                     return VocabIndex.from_state_dict(state)
             except (OSError, RuntimeError, ValueError, EOFError) as error:  # a torn or foreign file: rebuild
                 log.warning("ignoring vocabulary cache %s: %s", path, error)
+    # The core loads text (tokenizers, jinja2) only to build the index, not to read it from the cache.
+    from rawserve.text.tokenizer import Tokenizer
+
     began = time.perf_counter()
     tok = Tokenizer.from_dir(model_dir)
     index = VocabIndex(tok.vocab_bytes(), set(tok.added_token_ids), vocab_size)

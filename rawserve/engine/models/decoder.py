@@ -6,6 +6,7 @@ q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls); the lo
 from __future__ import annotations
 
 import math
+import mmap
 import types
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from rawserve.engine.attention import get_backend
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.loader import ModelConfig, Target
+from rawserve.engine.loader import ModelConfig, Target, TensorEntry, map_tensor
 from rawserve.engine.lora import LoraBatch, LoraWeights
 
 
@@ -186,6 +187,7 @@ class DecoderModel(nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head pre-packed by prepack()
+        self.embedding_file: mmap.mmap | None = None  # the checkpoint file under embed_tokens (map_embedding)
         self.rope_cos: torch.Tensor | None = None  # [max_pos, D] float32, built by init_rope() (see apply_rope)
         self.rope_sin: torch.Tensor | None = None
 
@@ -227,23 +229,46 @@ class DecoderModel(nn.Module):
     def prepack(self) -> None:
         """CPU: pre-pack every matmul weight (see DecoderLayer.prepack), the LM head included.
 
-        A tied head is packed as a second copy (the embedding lookup needs the dense rows, held at the
-        checkpoint's dtype when narrower: narrow_embedding): the vocabulary matmul is the largest single
-        weight read of a decode step, and packed it runs faster (152k x 256 float32, 2 cores: 40 vs 48 ms
-        at 1 row, 81 vs 257 ms at 32, 613 vs 1006 ms at 256), which pays for the copy.
+        A tied head is packed from the embedding (the lookups then read the checkpoint file, map_embedding): the
+        vocabulary matmul is the largest single weight read of a decode step, and packed it runs faster (152k x
+        256 float32, 2 cores: 40 vs 48 ms at 1 row, 81 vs 257 ms at 32, 613 vs 1006 ms at 256).
         """
         for layer in self.layers:
             layer.prepack()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        self.packed_head = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.norm.dtype))
+        self.packed_head = torch.ops.mkldnn._reorder_linear_weight(self._dense_head(weight.detach()))
         if self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        if self.embedding_file is not None:  # packing read every row: drop them from this process's pages
+            self.embedding_file.madvise(mmap.MADV_DONTNEED)
+
+    def _dense_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """The head's weight at the model's dtype, for packing. Converted from the mapped embedding a slice at a
+        time, dropping the file's pages after each, so the load's peak holds the converted copy and the packed
+        one, not the file's rows as well (74 MiB for the tiny model's bf16 rows, 311 for Qwen3-0.6B's)."""
+        dtype = self.norm.dtype
+        if self.embedding_file is None or weight.dtype == dtype:
+            return weight.to(dtype)
+        dense = torch.empty(weight.shape, dtype=dtype)
+        step = max(1, (16 << 20) // (weight.shape[1] * weight.element_size()))
+        for start in range(0, weight.shape[0], step):
+            dense[start:start + step].copy_(weight[start:start + step])
+            self.embedding_file.madvise(mmap.MADV_DONTNEED)
+        return dense
+
+    def map_embedding(self, entry: TensorEntry) -> None:
+        """Before loading, for an embedding no matmul reads (the head untied, or packed): serve lookups from the
+        checkpoint file itself, at its dtype (loader.map_tensor). A step reads one row per token, so only the
+        rows in use are resident, as clean page cache shared with the file's, never a copy; the lookup casts
+        its rows to the model's dtype, which is exact (the same cast a load would make)."""
+        tensor, self.embedding_file = map_tensor(entry)
+        self.embed_tokens.data = tensor
 
     def narrow_embedding(self, head_packed: bool) -> None:
-        """Before loading: hold the embedding at the checkpoint's dtype when that is narrower and no matmul
-        reads it (the head is untied, or will be packed). Its values come from that dtype, so the lookup's cast
-        back is exact; a bf16 checkpoint served in float32 keeps half the bytes of its largest tensor, and
-        loads it with no conversion buffer."""
+        """Before loading, where map_embedding cannot serve it (a tensor misaligned in its file): hold the
+        embedding at the checkpoint's dtype when that is narrower and no matmul reads it (the head is untied, or
+        will be packed). Its values come from that dtype, so the lookup's cast back is exact; a bf16 checkpoint
+        served in float32 keeps half the bytes of its largest tensor, and loads it with no conversion buffer."""
         narrow = self.cfg.dtype
         is_head = self.lm_head is None and not head_packed
         if is_head or not narrow.is_floating_point or narrow.itemsize >= self.embed_tokens.dtype.itemsize:
