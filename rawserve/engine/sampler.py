@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rawserve.engine import vocab_ops
 from rawserve.engine.request import Request
 from rawserve.engine.types import TokenLogprob
 
@@ -41,14 +42,29 @@ def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, num_top: list[
     return out
 
 
+# Candidates a top-p row without top_k takes from its largest logits: when they hold more than top_p of the
+# mass (a real model's usual case) the cut lies among them; otherwise the row sorts its whole vocabulary.
+TOP_P_PROBE = 128
+
+
 class Sampler:
     """Stateless per step, except two per-request things kept across steps: a seeded torch.Generator
     (on the request) and a row of penalty state (token counts), updated with each sampled token so no step
-    rebuilds anything from a sequence's full history."""
+    rebuilds anything from a sequence's full history.
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    One pass over each row's vocabulary finds its block maxima (vocab_ops); greedy rows take their argmax
+    from them, top-k and top-p rows their largest logits, and temperature, min-p, top-k, top-p and the draw
+    work on those few candidates. Rows no candidate set can stand for (no top_k, with top_p not reached
+    among TOP_P_PROBE candidates, or a tie at the k-th value) sort their whole vocabulary: the reference
+    path, which `fast=False` uses for every row. Rows that keep the whole vocabulary (no top_k, no top_p)
+    draw from it in vocabulary order without a sort. Every sampled row draws one uniform per token.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0, *,
+                 fast: bool = True) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.fast = fast
         # Unseeded requests draw from one engine-wide generator, so an offline run is reproducible.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -60,23 +76,29 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request], *, may_overwrite: bool = False) -> SampleOutput:
         """logits: [len(reqs), V] float32, row i for reqs[i] -> one token per row.
 
-        may_overwrite lets the sampler work in the caller's tensor instead of a copy (EngineCore's logits
-        are fresh each step): at a 150k vocabulary the copy is a large part of a CPU step.
+        may_overwrite lets the sampler apply min_tokens, logit_bias and penalties in the caller's tensor
+        instead of a copy (EngineCore's logits are fresh each step): at a 150k vocabulary a copy of every row
+        is a large part of a CPU step. Temperature and truncation never write to the logits.
         """
         assert logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         wants_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         penalty_rows = None
+        raw_rows = None  # the logprob rows as they came, when processors are about to change them in place
         if all(r.is_plain_greedy for r in reqs):
-            tokens = logits.argmax(dim=-1)  # [B]
+            tokens = vocab_ops.argmax(logits) if self.fast else logits.argmax(dim=-1)  # [B]
         else:
-            # The raw logits stay untouched when logprobs will be read from them.
-            work = logits if may_overwrite and not wants_logprobs else logits.clone()
+            work = logits
+            if any(r.bias_ids or r.needs_penalties or r.min_tokens_ban for r in reqs):
+                if not may_overwrite:
+                    work = logits.clone()
+                elif wants_logprobs:
+                    raw_rows = logits.index_select(0, torch.tensor(wants_logprobs, device=logits.device))
             tokens, penalty_rows = self._sample_general(work, reqs)
         if penalty_rows is not None:
             slots, rows = penalty_rows
             ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
             self._counts.index_put_((slots, tokens.index_select(0, rows)), ones, accumulate=True)
-        logprobs = self._logprobs(logits, tokens, reqs, wants_logprobs) if wants_logprobs else None
+        logprobs = self._logprobs(logits, raw_rows, tokens, reqs, wants_logprobs) if wants_logprobs else None
         return SampleOutput(tokens.tolist(), logprobs)
 
     def release(self, req: Request) -> None:
@@ -87,7 +109,7 @@ class Sampler:
 
     def _sample_general(self, x: torch.Tensor, reqs: list[Request]
                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """x: [B, V] logits, modified in place."""
+        """x: [B, V] logits; min_tokens, logit_bias and penalties are applied to it in place."""
         dev = self.device
 
         # Processors in vLLM's order: min_tokens, logit_bias, then penalties; all apply to greedy rows too.
@@ -114,59 +136,102 @@ class Sampler:
         if penalized:
             penalty_rows = self._apply_penalties(x, penalized, reqs)
 
-        greedy = [r.params.temperature == 0 for r in reqs]
-        argmax = x.argmax(dim=-1)  # [B]
-        if all(greedy):
-            return argmax, penalty_rows
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature != 0]
+        if not self.fast:
+            tokens = x.argmax(dim=-1)
+            if sampled:
+                rows_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
+                uniforms = self._uniforms(reqs, sampled)
+                tokens[rows_t] = self._sample_sorted(x, rows_t, self._options(reqs, sampled), uniforms)
+            return tokens, penalty_rows
+        maxima = vocab_ops.block_maxima(x)  # [B, ceil(V / BLOCK)]: the one pass over every row
+        tokens = vocab_ops.argmax(x, maxima)  # greedy rows' tokens; sampled rows' are written over them
+        if sampled:
+            self._sample_rows(x, maxima, reqs, sampled, tokens)
+        return tokens, penalty_rows
 
-        table = torch.tensor([r.sampling_row for r in reqs], dtype=torch.float32, device=dev)  # [B, 4]
-        temperature, top_k, top_p, min_p = table.unbind(dim=1)  # each [B]
-        x.div_(temperature.unsqueeze(1))
-        if any(r.params.min_p > 0 for r in reqs):
-            probs = x.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
-            x.masked_fill_(probs < threshold, _NEG_INF)
-        if any(r.params.top_k > 0 for r in reqs):
-            self._top_k(x, top_k)
-        if any(r.params.top_p < 1 for r in reqs):
-            self._top_p(x, top_p)
-        probs = x.softmax(dim=-1)  # [B, V]
-
-        # Exponential race (argmax p/q with q ~ Exp(1)) is a draw from p. A seeded row fills its own q
-        # from its own generator, V draws per token, so its samples ignore whatever else is batched.
-        q = torch.empty_like(probs)
-        q.exponential_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.params.seed is not None and not greedy[i]:
+    def _uniforms(self, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per sampled row: a seeded row's from its own generator, so its draws do not
+        depend on whatever else is batched; the others' from the engine's."""
+        dev = self.device
+        uniforms = torch.rand(len(rows), generator=self.generator, device=dev)
+        for j, i in enumerate(rows):
+            r = reqs[i]
+            if r.params.seed is not None:
                 if r.generator is None:
                     r.generator = torch.Generator(device=dev)
                     r.generator.manual_seed(r.params.seed)
-                q[i].exponential_(generator=r.generator)
-        q.clamp_min_(torch.finfo(q.dtype).tiny)  # 0 would turn a zero-probability token into 0/0
-        sampled = (probs / q).argmax(dim=-1)  # [B]
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=dev), argmax, sampled)
-        return sampled, penalty_rows
+                uniforms[j] = torch.rand((), generator=r.generator, device=dev)
+        return uniforms
+
+    def _options(self, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+        """[len(rows), 4] float32: temperature, top_k (0: off, else at most V), top_p, min_p."""
+        table = torch.tensor([reqs[i].sampling_row for i in rows], dtype=torch.float32, device=self.device)
+        table[:, 1].clamp_(max=self.vocab_size)
+        return table
+
+    def _sample_rows(self, x: torch.Tensor, maxima: torch.Tensor, reqs: list[Request], sampled: list[int],
+                     tokens: torch.Tensor) -> None:
+        """Write a token for each row in `sampled` into tokens, choosing each row's path (see the class)."""
+        dev, vocab = self.device, x.shape[1]
+        uniforms = self._uniforms(reqs, sampled)
+        options = self._options(reqs, sampled)  # [S, 4]
+        k_rows = [j for j, i in enumerate(sampled) if reqs[i].params.top_k > 0]
+        probe = [j for j, i in enumerate(sampled)
+                 if reqs[i].params.top_k == 0 and reqs[i].params.top_p < 1 and reqs[i].params.min_p == 0]
+        whole = [j for j, i in enumerate(sampled) if reqs[i].params.top_k == 0 and reqs[i].params.top_p == 1]
+        # The rest (no top_k, top_p with min_p) and any candidate row that cannot stand for its vocabulary
+        full = sorted(set(range(len(sampled))) - set(k_rows) - set(probe) - set(whole))
+        sampled_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
+        if k_rows or probe:
+            picked = torch.tensor(k_rows + probe, dtype=torch.int64, device=dev)  # into sampled
+            opts = options.index_select(0, picked)
+            widths = opts[:, 1].long()
+            widths[len(k_rows):] = min(TOP_P_PROBE, vocab)
+            # One more candidate than the widest row keeps: a top_k row whose k-th value equals the next one
+            # has ties that torch's k-th-value cut keeps, wherever they lie; it goes to the full path.
+            num = min(int(widths.max()) + 1, vocab)
+            rows_x = sampled_t.index_select(0, picked)
+            values, ids = vocab_ops.topk(x, num, maxima, rows_x)  # [C, num], largest first
+            log_z = torch.full((len(picked),), float("nan"), device=dev)  # NaN: normalised over the candidates
+            if probe:
+                log_z[len(k_rows):] = vocab_ops.logsumexp(x, rows_x[len(k_rows):], opts[len(k_rows):, 0])
+            where, covered = _truncate_and_draw(values, widths, opts, log_z, uniforms.index_select(0, picked))
+            if k_rows:
+                last = values.gather(1, (widths - 1).unsqueeze(1)).squeeze(1)
+                beyond = values.gather(1, widths.clamp_max(num - 1).unsqueeze(1)).squeeze(1)
+                ties = (widths < num) & (beyond == last) & last.isfinite()
+                covered[:len(k_rows)] &= ~ties[:len(k_rows)]
+            chosen = ids.gather(1, where.unsqueeze(1)).squeeze(1)
+            tokens[rows_x[covered]] = chosen[covered]
+            full.extend(picked[~covered].tolist())
+        if whole:
+            picked = torch.tensor(whole, dtype=torch.int64, device=dev)
+            tokens[sampled_t.index_select(0, picked)] = _draw_whole(
+                x, sampled_t.index_select(0, picked), options.index_select(0, picked), uniforms.index_select(0, picked))
+        if full:
+            picked = torch.tensor(full, dtype=torch.int64, device=dev)
+            rows_x = sampled_t.index_select(0, picked)
+            tokens[rows_x] = self._sample_sorted(x, rows_x, options.index_select(0, picked),
+                                                 uniforms.index_select(0, picked))
 
     @staticmethod
-    def _top_k(x: torch.Tensor, top_k: torch.Tensor) -> None:
-        """Keep each row's k largest logits (ties at the k-th value stay); k == 0 keeps all."""
-        k = top_k.long().clamp(0, x.shape[1])  # [B]
-        active = k > 0
-        k = torch.where(active, k, torch.ones_like(k))
-        max_k = int(k.max())
-        kth = x.topk(max_k, dim=1).values.gather(1, (k - 1).unsqueeze(1))  # [B, 1]: the k-th largest
-        kth.masked_fill_(~active.unsqueeze(1), _NEG_INF)
-        x.masked_fill_(x < kth, _NEG_INF)
-
-    @staticmethod
-    def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> None:
-        """Keep the smallest set of most likely tokens whose mass reaches p (the most likely always stays)."""
-        sorted_x, order = x.sort(dim=1, descending=True)  # [B, V]
-        probs = sorted_x.softmax(dim=1)
-        mass_before = probs.cumsum(dim=1) - probs  # [B, V]: mass of the strictly more likely tokens
-        drop = (mass_before > top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
-        x.masked_fill_(torch.zeros_like(drop).scatter_(1, order, drop), _NEG_INF)
+    def _sample_sorted(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
+                       ) -> torch.Tensor:
+        """The reference path: each row's whole vocabulary sorted, in row chunks. A top_k row keeps the ties at
+        its k-th value as torch's masking did. -> [len(rows)] token ids."""
+        out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
+        for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
+            end = start + vocab_ops.ROW_CHUNK
+            opts = options[start:end]
+            values, ids = x.index_select(0, rows[start:end]).sort(dim=1, descending=True)  # [R, V]
+            k = opts[:, 1].long()
+            kth = values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [R, 1]
+            widths = torch.where(k > 0, (values >= kth).sum(dim=1), values.shape[1])
+            nan = torch.full((values.shape[0],), float("nan"), device=x.device)
+            where, _ = _truncate_and_draw(values, widths, opts, nan, uniforms[start:end])
+            out[start:end] = ids.gather(1, where.unsqueeze(1)).squeeze(1)
+        return out
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[int], reqs: list[Request]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,13 +284,56 @@ class Sampler:
         self._free_slots.extend(range(capacity - 1, old - 1, -1))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs: list[Request], rows: list[int]
-                  ) -> list[TokenLogprob | None]:
-        """From the raw log-softmax: before logit_bias, penalties, temperature and truncation."""
+    def _logprobs(logits: torch.Tensor, raw_rows: torch.Tensor | None, tokens: torch.Tensor, reqs: list[Request],
+                  rows: list[int]) -> list[TokenLogprob | None]:
+        """From the raw log-softmax: before logit_bias, penalties, temperature and truncation. raw_rows: the
+        rows' logits as they came, when the processors have since changed `logits` in place."""
         rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        lp = logits.index_select(0, rows_t).log_softmax(dim=-1)  # [R, V]
+        lp = (logits.index_select(0, rows_t) if raw_rows is None else raw_rows).log_softmax(dim=-1)  # [R, V]
         entries = token_logprobs(lp, tokens.index_select(0, rows_t), [reqs[i].params.logprobs for i in rows])
         out: list[TokenLogprob | None] = [None] * len(reqs)
         for i, entry in zip(rows, entries):
             out[i] = entry
         return out
+
+
+def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torch.Tensor, log_z: torch.Tensor,
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, min-p, top-k and top-p over each row's candidates, then one draw.
+
+    values: [R, N] logits, largest first; widths: [R] leading candidates a row may keep (its top_k, or all it
+    has); options: [R, 4] as Sampler._options; log_z: [R] log normaliser of the row's whole tempered
+    vocabulary, or NaN when the candidates hold all the row can keep. Returns each row's drawn column [R] and
+    whether the candidates decided its top-p cut [R] (always, for a NaN log_z row).
+    """
+    temperature, top_p, min_p = options[:, 0:1], options[:, 2:3], options[:, 3:4]  # each [R, 1]
+    cols = torch.arange(values.shape[1], device=values.device)
+    z = (values / temperature).masked_fill_(cols >= widths.unsqueeze(1), _NEG_INF)  # [R, N]
+    top = z[:, :1]  # the row's largest
+    # min-p: p_i < min_p * p_max is z_i < z_max + log(min_p), no softmax needed; log(0) = -inf keeps all.
+    z.masked_fill_(z < top + min_p.log(), _NEG_INF)
+    weights = (z - top).exp_()  # [R, N]: p_i / p_max, 0 for what is cut
+    covered = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    if bool((top_p < 1).any()):
+        # Each candidate's probability: over the kept candidates, or over the whole vocabulary (probe rows).
+        kept_log_total = weights.sum(dim=1).log()
+        log_total = torch.where(log_z.isnan(), kept_log_total, log_z - top.squeeze(1))
+        probs = weights / log_total.exp().unsqueeze(1)
+        cumulative = probs.cumsum(dim=1)
+        # Keep the smallest set of most likely tokens whose mass reaches p (the most likely always stays).
+        weights.masked_fill_((cumulative - probs > top_p) & (top_p < 1), 0.0)
+        covered = log_z.isnan() | (cumulative[:, -1] > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
+    return vocab_ops.draw(weights, uniforms), covered
+
+
+def _draw_whole(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Rows with neither top_k nor top_p keep their whole vocabulary (less min-p's cut): a draw in vocabulary
+    order needs no sort. In row chunks; -> [len(rows)] token ids."""
+    out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
+    for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
+        end = start + vocab_ops.ROW_CHUNK
+        weights = x.index_select(0, rows[start:end])  # [R, V], a copy the passes below reuse
+        weights.sub_(weights.amax(dim=1, keepdim=True)).div_(options[start:end, 0:1]).exp_()  # p_i / p_max
+        weights.masked_fill_(weights < options[start:end, 3:4], 0.0)  # min-p
+        out[start:end] = vocab_ops.draw(weights, uniforms[start:end])
+    return out

@@ -250,7 +250,61 @@ def test_logits_are_left_intact_unless_overwriting_is_allowed():
     sampler = Sampler(4)
     sampler.sample(logits, [req(temperature=0.5, logit_bias={0: 5.0})])
     assert torch.equal(logits, before)
-    sampler.sample(logits, [req(temperature=0.5, logit_bias={0: 5.0}, logprobs=1)], may_overwrite=True)
-    assert torch.equal(logits, before)  # logprobs read the raw logits afterwards, so they are copied
     sampler.sample(logits, [req(temperature=0.5, logit_bias={0: 5.0})], may_overwrite=True)
     assert not torch.equal(logits, before)
+    # With logprobs only the rows that report them are kept as they came, and the report is of those.
+    raw = before.log_softmax(dim=1)[0]
+    out = sampler.sample(before.clone(), [req(temperature=0, logit_bias={0: 5.0}, logprobs=1)], may_overwrite=True)
+    token, value, rank, top = out.logprobs[0]
+    assert token == 0 and value == pytest.approx(raw[0].item()) and rank == 3
+    assert top[0][0] == 1 and top[0][1] == pytest.approx(raw[1].item())
+
+
+def mixed_rows(vocab: int, seed: int) -> tuple[torch.Tensor, list[Request]]:
+    """Rows for every fast path: top_k (some with ties at the k-th value), top-p whose cut lies among the
+    probe's candidates and top-p whose cut does not (a flat row), min-p, greedy with processors."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(12, vocab, generator=g)
+    logits[0:4] *= 4  # peaked: top-p is decided among the largest few
+    logits[4:6] *= 0.05  # flat: top-p needs most of the vocabulary
+    logits[6:8] = (logits[6:8] * 2).round()  # many ties, at every k
+    options = [dict(top_k=20), dict(top_p=0.9, temperature=0.7), dict(top_k=50, top_p=0.8, min_p=0.02),
+               dict(top_k=1, temperature=1.3), dict(top_p=0.95), dict(top_k=5, top_p=0.5),
+               dict(top_k=3), dict(top_k=7, temperature=0.5), dict(top_p=0.9, min_p=0.1),
+               dict(temperature=0, logit_bias={5: 1.0}), dict(top_k=40, repetition_penalty=1.2),
+               dict(top_p=0.7, logit_bias={9: 30.0})]
+    reqs = [req(f"r{i}", prompt=(1, 2, 3), seed=i if i % 3 else None, **o) for i, o in enumerate(options)]
+    return logits, reqs
+
+
+def test_fast_paths_draw_what_the_sorted_reference_draws():
+    # Same uniforms (same seeds, same engine seed), so each row must pick the same token as the full sort.
+    vocab = 20_000
+    for seed in range(3):
+        logits, reqs_fast = mixed_rows(vocab, seed)
+        _, reqs_ref = mixed_rows(vocab, seed)
+        fast, ref = Sampler(vocab, seed=seed), Sampler(vocab, seed=seed, fast=False)
+        for _ in range(6):
+            a = fast.sample(logits.clone(), reqs_fast, may_overwrite=True).token_ids
+            b = ref.sample(logits.clone(), reqs_ref, may_overwrite=True).token_ids
+            assert a == b
+            for r, s, t in zip(reqs_fast, reqs_ref, a):
+                emit(r, t)
+                emit(s, t)
+
+
+def test_fast_greedy_is_torch_argmax_on_a_full_vocabulary():
+    vocab = 151_936
+    logits = torch.randn(6, vocab)
+    logits[1] = logits[1].round()  # equal maxima: the first wins, as torch.argmax's
+    reqs = [req(f"g{i}", temperature=0) for i in range(6)]
+    assert Sampler(vocab).sample(logits, reqs).token_ids == logits.argmax(dim=1).tolist()
+    bias = [req(f"b{i}", temperature=0, logit_bias={7: 0.5}) for i in range(6)]  # processors, then argmax
+    biased = logits.clone()
+    biased[:, 7] += 0.5
+    assert Sampler(vocab).sample(logits, bias).token_ids == biased.argmax(dim=1).tolist()
+
+
+def test_top_k_keeps_every_token_tied_at_the_k_th_value():
+    shares = frequencies([0.4, 0.2, 0.2, 0.2], top_k=2)  # the k-th value is shared by three tokens
+    assert shares == pytest.approx([0.4, 0.2, 0.2, 0.2], abs=0.03)

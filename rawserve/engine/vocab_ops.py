@@ -1,0 +1,91 @@
+"""Row-wise reductions over [rows, vocab] logits that read each row once and allocate nothing vocabulary-wide.
+
+The sampler's building blocks: argmax and exact top-k through block maxima, the log normaliser in row chunks,
+and one-uniform inverse-CDF draws. They decide nothing about sampling options.
+"""
+from __future__ import annotations
+
+import torch
+
+# Vocabulary positions per block. torch's argmax and topk over a 152k row are scalar loops (about 5x a
+# vectorised amax); a row's block maxima cost one vectorised pass, and the winner is then found inside
+# a few blocks. 128 keeps the maxima ([rows, V / 128]) small and the gathered blocks cheap.
+BLOCK = 128
+# Rows per chunk for passes that need a float temporary as wide as the row: a [256, 152k] temporary is
+# 155 MB, which glibc maps fresh (and the kernel zero-fills) on every step; 16 rows stay in the heap.
+ROW_CHUNK = 16
+
+
+def block_maxima(x: torch.Tensor) -> torch.Tensor:
+    """x: [R, V] -> [R, ceil(V / BLOCK)], block j's max over positions [j * BLOCK, (j + 1) * BLOCK)."""
+    rows, vocab = x.shape
+    full = vocab // BLOCK
+    parts = []
+    if full:
+        parts.append(x.as_strided((rows, full, BLOCK), (x.stride(0), BLOCK, 1)).amax(dim=2))  # [R, full]
+    if vocab % BLOCK:
+        parts.append(x[:, full * BLOCK:].amax(dim=1, keepdim=True))  # [R, 1]: the short last block
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _gather_blocks(x: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values and ids of the given blocks of x's rows `rows` (all when None): blocks [R, n] ->
+    ([R, n * BLOCK], [R, n * BLOCK]), read in place (no copy of whole rows).
+
+    Positions past the vocabulary (the short last block) read as -inf at a valid id, so they never win.
+    """
+    vocab = x.shape[1]
+    ids = (blocks.unsqueeze(2) * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(1)  # [R, n * BLOCK]
+    outside = ids >= vocab
+    ids = ids.clamp_max(vocab - 1)
+    values = x.gather(1, ids) if rows is None else x[rows.unsqueeze(1), ids]
+    if vocab % BLOCK:
+        values.masked_fill_(outside, float("-inf"))
+    return values, ids
+
+
+def argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """x.argmax(dim=1), the same index (the first of equal maxima, NaN counting as the largest), in one
+    vectorised pass: the first block holding the row's max, then the first max inside it. maxima: x's
+    block_maxima when the caller has them."""
+    if maxima is None:
+        maxima = block_maxima(x)
+    values, ids = _gather_blocks(x, maxima.argmax(dim=1, keepdim=True), None)  # [R, BLOCK]
+    return ids.gather(1, values.argmax(dim=1, keepdim=True)).squeeze(1)  # [R]
+
+
+def topk(x: torch.Tensor, k: int, maxima: torch.Tensor, rows: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[rows].topk(k, dim=1) (sorted, largest first) through x's block maxima (all of x's rows): exact,
+    since a value above the k-th largest lies in a block whose max is too, and at most k - 1 blocks can
+    have one. Which of several equal values is returned may differ from torch.topk's choice."""
+    if rows is not None:
+        maxima = maxima.index_select(0, rows)
+    if k * BLOCK * 2 >= x.shape[1]:  # the blocks would cover most of the row anyway
+        return (x if rows is None else x.index_select(0, rows)).topk(k, dim=1)
+    values, ids = _gather_blocks(x, maxima.topk(k, dim=1).indices, rows)  # [R, k * BLOCK]
+    top_values, where = values.topk(k, dim=1)  # [R, k]
+    return top_values, ids.gather(1, where)
+
+
+def logsumexp(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x's rows `rows` [R] and divisors [R] -> [R] log(sum(exp(x[row] / scale))), in row chunks (ROW_CHUNK)."""
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, rows.shape[0], ROW_CHUNK):
+        end = start + ROW_CHUNK
+        out[start:end] = (x.index_select(0, rows[start:end]) / scale[start:end].unsqueeze(1)).logsumexp(dim=1)
+    return out
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw, one uniform in [0, 1) per row: weights [R, N] >= 0 (not normalised, overwritten with
+    their running sums) -> [R] column indices, each drawn with probability weights / row sum. A column of
+    weight 0 is never drawn."""
+    cumulative = weights.cumsum_(dim=1)  # in place: for full-vocabulary rows there is no second [R, V]
+    totals = cumulative[:, -1]
+    # u < 1, but u * total may round up to the total: stay strictly below it, so some column passes
+    targets = torch.minimum(uniforms * totals, torch.nextafter(totals, torch.zeros_like(totals))).unsqueeze(1)
+    # The first column whose running sum passes the target; a zero-weight column repeats the sum before it,
+    # so it is never the first to pass.
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
