@@ -266,13 +266,14 @@ def mixed_rows(vocab: int, seed: int) -> tuple[torch.Tensor, list[Request]]:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(12, vocab, generator=g)
     logits[0:4] *= 4  # peaked: top-p is decided among the largest few
+    logits[11] *= 1.4  # top-p 0.8 at temperature 0.7 needs between 128 and 4096 candidates
     logits[4:6] *= 0.05  # flat: top-p needs most of the vocabulary
     logits[6:8] = (logits[6:8] * 2).round()  # many ties, at every k
     options = [dict(top_k=20), dict(top_p=0.9, temperature=0.7), dict(top_k=50, top_p=0.8, min_p=0.02),
                dict(top_k=1, temperature=1.3), dict(top_p=0.95), dict(top_k=5, top_p=0.5),
                dict(top_k=3), dict(top_k=7, temperature=0.5), dict(top_p=0.9, min_p=0.1),
                dict(temperature=0, logit_bias={5: 1.0}), dict(top_k=40, repetition_penalty=1.2),
-               dict(top_p=0.7, logit_bias={9: 30.0})]
+               dict(top_p=0.8, temperature=0.7, logit_bias={9: 0.5})]
     reqs = [req(f"r{i}", prompt=(1, 2, 3), seed=i if i % 3 else None, **o) for i, o in enumerate(options)]
     return logits, reqs
 
