@@ -225,7 +225,8 @@ class Sampler:
         # ties that torch's k-th-value cut keeps, wherever they lie; it goes to the sorted path.
         num = min(int(widths.max()) + 1, vocab)
         rows_x = sampled_t.index_select(0, picked)
-        values, ids = vocab_ops.topk(x, num, maxima, rows_x)  # [C, num], largest first
+        every = len(which) == x.shape[0]  # every row, in order: read x as it is
+        values, ids = vocab_ops.topk(x, num, maxima, None if every else rows_x)  # [C, num], largest first
         if log_z is None:
             log_z = torch.full((len(which),), float("nan"), device=dev)  # NaN: normalised over the candidates
         where, covered = _truncate_and_draw(values, widths, opts, log_z, uniforms.index_select(0, picked))

@@ -28,21 +28,38 @@ def block_maxima(x: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _gather_blocks(x: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The values and ids of the given blocks of x's rows `rows` (all when None): blocks [R, n] ->
-    ([R, n * BLOCK], [R, n * BLOCK]), read in place (no copy of whole rows).
-
-    Positions past the vocabulary (the short last block) read as -inf at a valid id, so they never win.
-    """
-    vocab = x.shape[1]
-    ids = (blocks.unsqueeze(2) * BLOCK + torch.arange(BLOCK, device=x.device)).flatten(1)  # [R, n * BLOCK]
-    outside = ids >= vocab
-    ids = ids.clamp_max(vocab - 1)
-    values = x.gather(1, ids) if rows is None else x[rows.unsqueeze(1), ids]
+def _read_blocks(x: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Blocks [R, n] of x's rows `rows` (all when None) -> their values [R, n * BLOCK], block by block: whole
+    blocks copied through a [rows, blocks, BLOCK] view, never whole rows. The short last block reads -inf past
+    the vocabulary's end, so padding never wins."""
+    num_rows, vocab = x.shape
+    full = vocab // BLOCK
+    if rows is None:
+        rows = torch.arange(num_rows, device=x.device)
+    rows = rows.unsqueeze(1)  # [R, 1]
+    if not full:  # a vocabulary shorter than a block: its one block is the short one
+        values = x.new_full((rows.shape[0], blocks.shape[1], BLOCK), float("-inf"))
+        values[:, :, :vocab] = x[rows.squeeze(1)].unsqueeze(1)
+        return values.flatten(1)
+    if vocab % BLOCK == 0 and x.is_contiguous():
+        # Rows of blocks of a [rows * blocks, BLOCK] view: index_select copies each block whole (about 15x
+        # faster than indexing the 3-d view, which computes an offset per element)
+        flat = (rows * full + blocks).flatten()  # [R * n]
+        return x.view(-1, BLOCK).index_select(0, flat).view(rows.shape[0], -1)
+    view = x.as_strided((num_rows, full, BLOCK), (x.stride(0), BLOCK, 1))
+    values = view[rows, blocks.clamp_max(full - 1)]  # [R, n, BLOCK]
     if vocab % BLOCK:
-        values.masked_fill_(outside, float("-inf"))
-    return values, ids
+        short = blocks == full  # [R, n]
+        if bool(short.any()):
+            tail = x.new_full((rows.shape[0], BLOCK), float("-inf"))
+            tail[:, :vocab - full * BLOCK] = x[rows.squeeze(1), full * BLOCK:]
+            values[short] = tail.unsqueeze(1).expand_as(values)[short]
+    return values.flatten(1)
+
+
+def _ids(blocks: torch.Tensor, where: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Positions in _read_blocks' values [R, m] -> token ids [R, m] (padding clamped to the last id)."""
+    return (blocks.gather(1, where // BLOCK) * BLOCK + where % BLOCK).clamp_max_(vocab - 1)
 
 
 def argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,8 +68,9 @@ def argmax(x: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
     block_maxima when the caller has them."""
     if maxima is None:
         maxima = block_maxima(x)
-    values, ids = _gather_blocks(x, maxima.argmax(dim=1, keepdim=True), None)  # [R, BLOCK]
-    return ids.gather(1, values.argmax(dim=1, keepdim=True)).squeeze(1)  # [R]
+    blocks = maxima.argmax(dim=1, keepdim=True)  # [R, 1]
+    values = _read_blocks(x, blocks, None)  # [R, BLOCK]
+    return _ids(blocks, values.argmax(dim=1, keepdim=True), x.shape[1]).squeeze(1)  # [R]
 
 
 def topk(x: torch.Tensor, k: int, maxima: torch.Tensor, rows: torch.Tensor | None = None
@@ -64,9 +82,9 @@ def topk(x: torch.Tensor, k: int, maxima: torch.Tensor, rows: torch.Tensor | Non
         maxima = maxima.index_select(0, rows)
     if k * BLOCK * 2 >= x.shape[1]:  # the blocks would cover most of the row anyway
         return (x if rows is None else x.index_select(0, rows)).topk(k, dim=1)
-    values, ids = _gather_blocks(x, maxima.topk(k, dim=1).indices, rows)  # [R, k * BLOCK]
-    top_values, where = values.topk(k, dim=1)  # [R, k]
-    return top_values, ids.gather(1, where)
+    blocks = maxima.topk(k, dim=1).indices  # [R, k]
+    top_values, where = _read_blocks(x, blocks, rows).topk(k, dim=1)  # [R, k]
+    return top_values, _ids(blocks, where, x.shape[1])
 
 
 def logsumexp(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
