@@ -186,20 +186,24 @@ class Sampler:
         # The rest (no top_k, top_p with min_p) and any candidate row that cannot stand for its vocabulary
         full = sorted(set(range(len(sampled))) - set(k_rows) - set(probe) - set(whole))
         if k_rows:
-            full += self._from_candidates(x, maxima, sampled_t, options, uniforms, k_rows, 0, tokens)
-        if probe:
+            full += self._from_candidates(x, maxima, sampled_t, options, uniforms, k_rows, 0, tokens)[0]
+        widths = [w for w in TOP_P_PROBES if 2 * w < vocab]  # wider probes cost about what a sort does
+        if probe and widths:
             # The whole tempered vocabulary's normaliser, once: each probe's mass is judged against it.
             picked = torch.tensor(probe, dtype=torch.int64, device=dev)
             log_z = vocab_ops.logsumexp(x, sampled_t.index_select(0, picked), options.index_select(0, picked)[:, 0])
-            for width in TOP_P_PROBES:
-                left = self._from_candidates(x, maxima, sampled_t, options, uniforms, probe, min(width, vocab),
-                                             tokens, log_z)
-                if left:
-                    log_z = log_z[torch.tensor([probe.index(j) for j in left], dtype=torch.int64, device=dev)]
-                probe = left
+            for n, width in enumerate(widths):
+                wider = widths[n + 1] if n + 1 < len(widths) else 0
+                left, hopeless = self._from_candidates(x, maxima, sampled_t, options, uniforms, probe, width,
+                                                       tokens, log_z, wider)
+                full += hopeless
+                keep = [j for j in left if j not in hopeless]
+                if keep:
+                    log_z = log_z[torch.tensor([probe.index(j) for j in keep], dtype=torch.int64, device=dev)]
+                probe = keep
                 if not probe:
                     break
-            full += probe
+        full += probe
         if whole:
             picked = torch.tensor(whole, dtype=torch.int64, device=dev)
             tokens[sampled_t.index_select(0, picked)] = _draw_whole(
@@ -213,10 +217,12 @@ class Sampler:
     @staticmethod
     def _from_candidates(x: torch.Tensor, maxima: torch.Tensor, sampled_t: torch.Tensor, options: torch.Tensor,
                          uniforms: torch.Tensor, which: list[int], probe_width: int, tokens: torch.Tensor,
-                         log_z: torch.Tensor | None = None) -> list[int]:
+                         log_z: torch.Tensor | None = None, wider: int = 0) -> tuple[list[int], list[int]]:
         """Draw rows `which` (indices into the sampled rows) from their largest logits: their own top_k when
         probe_width is 0, else probe_width candidates judged against log_z, their whole vocabulary's
-        normaliser. Writes the tokens of the rows the candidates decide; returns the others."""
+        normaliser. Writes the tokens of the rows the candidates decide; returns the others, and which of them
+        `wider` candidates cannot decide either: sorted largest first, the wider set's mass is at most
+        wider / probe_width times this one's."""
         dev, vocab = x.device, x.shape[1]
         picked = torch.tensor(which, dtype=torch.int64, device=dev)
         opts = options.index_select(0, picked)
@@ -229,14 +235,18 @@ class Sampler:
         values, ids = vocab_ops.topk(x, num, maxima, None if every else rows_x)  # [C, num], largest first
         if log_z is None:
             log_z = torch.full((len(which),), float("nan"), device=dev)  # NaN: normalised over the candidates
-        where, covered = _truncate_and_draw(values, widths, opts, log_z, uniforms.index_select(0, picked))
+        where, covered, mass = _truncate_and_draw(values, widths, opts, log_z, uniforms.index_select(0, picked))
         if not probe_width:
             last = values.gather(1, (widths - 1).unsqueeze(1)).squeeze(1)
             beyond = values.gather(1, widths.clamp_max(num - 1).unsqueeze(1)).squeeze(1)
             covered &= ~((widths < num) & (beyond == last) & last.isfinite())
         chosen = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         tokens[rows_x[covered]] = chosen[covered]
-        return [j for j, ok in zip(which, covered.tolist()) if not ok]
+        left = [j for j, ok in zip(which, covered.tolist()) if not ok]
+        if not left or not wider:
+            return left, []
+        reach = mass * (wider / probe_width) > opts[:, 2]  # [C]: could the wider set pass top_p?
+        return left, [j for j, ok, could in zip(which, covered.tolist(), reach.tolist()) if not ok and not could]
 
     @staticmethod
     def _sample_sorted(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
@@ -249,10 +259,12 @@ class Sampler:
             opts = options[start:end]
             values, ids = x.index_select(0, rows[start:end]).sort(dim=1, descending=True)  # [R, V]
             k = opts[:, 1].long()
-            kth = values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [R, 1]
-            widths = torch.where(k > 0, (values >= kth).sum(dim=1), values.shape[1])
+            widths = torch.full_like(k, values.shape[1])
+            if bool((k > 0).any()):
+                kth = values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [R, 1]
+                widths = torch.where(k > 0, (values >= kth).sum(dim=1), widths)
             nan = torch.full((values.shape[0],), float("nan"), device=x.device)
-            where, _ = _truncate_and_draw(values, widths, opts, nan, uniforms[start:end])
+            where, _, _ = _truncate_and_draw(values, widths, opts, nan, uniforms[start:end])
             out[start:end] = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         return out
 
@@ -326,17 +338,23 @@ def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torc
 
     values: [R, N] logits, largest first; widths: [R] leading candidates a row may keep (its top_k, or all it
     has); options: [R, 4] as Sampler._options; log_z: [R] log normaliser of the row's whole tempered
-    vocabulary, or NaN when the candidates hold all the row can keep. Returns each row's drawn column [R] and
-    whether the candidates decided its top-p cut [R] (always, for a NaN log_z row).
+    vocabulary, or NaN when the candidates hold all the row can keep. Returns each row's drawn column [R],
+    whether the candidates decided its top-p cut [R] (always, for a NaN log_z row), and the candidates'
+    share of the row's probability [R] (1 where top_p is off everywhere).
     """
     temperature, top_p, min_p = options[:, 0:1], options[:, 2:3], options[:, 3:4]  # each [R, 1]
-    cols = torch.arange(values.shape[1], device=values.device)
-    z = (values / temperature).masked_fill_(cols >= widths.unsqueeze(1), _NEG_INF)  # [R, N]
-    top = z[:, :1]  # the row's largest
-    # min-p: p_i < min_p * p_max is z_i < z_max + log(min_p), no softmax needed; log(0) = -inf keeps all.
-    z.masked_fill_(z < top + min_p.log(), _NEG_INF)
-    weights = (z - top).exp_()  # [R, N]: p_i / p_max, 0 for what is cut
+    num = values.shape[1]
+    z = values / temperature  # [R, N]
+    # Each pass below runs only when some row needs it: on a sorted whole vocabulary each is a full pass.
+    if int(widths.min()) < num:
+        z.masked_fill_(torch.arange(num, device=values.device) >= widths.unsqueeze(1), _NEG_INF)
+    top = z[:, :1].clone()  # the row's largest (a copy: z is shifted by it in place below)
+    if bool((min_p > 0).any()):
+        # min-p: p_i < min_p * p_max is z_i < z_max + log(min_p), no softmax needed; log(0) = -inf keeps all.
+        z.masked_fill_(z < top + min_p.log(), _NEG_INF)
+    weights = z.sub_(top).exp_()  # [R, N]: p_i / p_max, 0 for what is cut
     covered = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    mass = torch.ones(values.shape[0], device=values.device)
     if bool((top_p < 1).any()):
         # Each candidate's probability: over the kept candidates, or over the whole vocabulary (probe rows).
         kept_log_total = weights.sum(dim=1).log()
@@ -345,8 +363,9 @@ def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torc
         cumulative = probs.cumsum(dim=1)
         # Keep the smallest set of most likely tokens whose mass reaches p (the most likely always stays).
         weights.masked_fill_((cumulative - probs > top_p) & (top_p < 1), 0.0)
-        covered = log_z.isnan() | (cumulative[:, -1] > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
-    return vocab_ops.draw(weights, uniforms), covered
+        mass = cumulative[:, -1]
+        covered = log_z.isnan() | (mass > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
+    return vocab_ops.draw(weights, uniforms), covered, mass
 
 
 def _draw_whole(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
