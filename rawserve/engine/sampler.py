@@ -187,22 +187,16 @@ class Sampler:
         full = sorted(set(range(len(sampled))) - set(k_rows) - set(probe) - set(whole))
         if k_rows:
             full += self._from_candidates(x, maxima, sampled_t, options, uniforms, k_rows, 0, tokens)[0]
-        widths = [w for w in TOP_P_PROBES if 2 * w < vocab]  # wider probes cost about what a sort does
-        if probe and widths:
-            # The whole tempered vocabulary's normaliser, once: each probe's mass is judged against it.
-            picked = torch.tensor(probe, dtype=torch.int64, device=dev)
-            log_z = vocab_ops.logsumexp(x, sampled_t.index_select(0, picked), options.index_select(0, picked)[:, 0])
-            for n, width in enumerate(widths):
-                wider = widths[n + 1] if n + 1 < len(widths) else 0
-                left, hopeless = self._from_candidates(x, maxima, sampled_t, options, uniforms, probe, width,
-                                                       tokens, log_z, wider)
-                full += hopeless
-                keep = [j for j in left if j not in hopeless]
-                if keep:
-                    log_z = log_z[torch.tensor([probe.index(j) for j in keep], dtype=torch.int64, device=dev)]
-                probe = keep
-                if not probe:
-                    break
+        # A probe pays off only well inside the vocabulary: sorting a small one is cheaper than probing it.
+        widths = [w for w in TOP_P_PROBES if 32 * w <= vocab]
+        for n, width in enumerate(widths):
+            if not probe:
+                break
+            wider = widths[n + 1] if n + 1 < len(widths) else 0
+            left, hopeless = self._from_candidates(x, maxima, sampled_t, options, uniforms, probe, width, tokens,
+                                                   wider)
+            full += hopeless
+            probe = [j for j in left if j not in hopeless]
         full += probe
         if whole:
             picked = torch.tensor(whole, dtype=torch.int64, device=dev)
@@ -217,11 +211,11 @@ class Sampler:
     @staticmethod
     def _from_candidates(x: torch.Tensor, maxima: torch.Tensor, sampled_t: torch.Tensor, options: torch.Tensor,
                          uniforms: torch.Tensor, which: list[int], probe_width: int, tokens: torch.Tensor,
-                         log_z: torch.Tensor | None = None, wider: int = 0) -> tuple[list[int], list[int]]:
+                         wider: int = 0) -> tuple[list[int], list[int]]:
         """Draw rows `which` (indices into the sampled rows) from their largest logits: their own top_k when
-        probe_width is 0, else probe_width candidates judged against log_z, their whole vocabulary's
-        normaliser. Writes the tokens of the rows the candidates decide; returns the others, and which of them
-        `wider` candidates cannot decide either: sorted largest first, the wider set's mass is at most
+        probe_width is 0, else probe_width candidates judged by their share of the whole vocabulary's
+        probability. Writes the tokens of the rows the candidates decide; returns the others, and which of
+        them `wider` candidates cannot decide either: sorted largest first, the wider set's mass is at most
         wider / probe_width times this one's."""
         dev, vocab = x.device, x.shape[1]
         picked = torch.tensor(which, dtype=torch.int64, device=dev)
@@ -233,9 +227,8 @@ class Sampler:
         rows_x = sampled_t.index_select(0, picked)
         every = len(which) == x.shape[0]  # every row, in order: read x as it is
         values, ids = vocab_ops.topk(x, num, maxima, None if every else rows_x)  # [C, num], largest first
-        if log_z is None:
-            log_z = torch.full((len(which),), float("nan"), device=dev)  # NaN: normalised over the candidates
-        where, covered, mass = _truncate_and_draw(values, widths, opts, log_z, uniforms.index_select(0, picked))
+        whole = vocab_ops.probs_at(x, rows_x, opts[:, 0], ids) if probe_width else None
+        where, covered, mass = _truncate_and_draw(values, widths, opts, whole, uniforms.index_select(0, picked))
         if not probe_width:
             last = values.gather(1, (widths - 1).unsqueeze(1)).squeeze(1)
             beyond = values.gather(1, widths.clamp_max(num - 1).unsqueeze(1)).squeeze(1)
@@ -263,8 +256,7 @@ class Sampler:
             if bool((k > 0).any()):
                 kth = values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [R, 1]
                 widths = torch.where(k > 0, (values >= kth).sum(dim=1), widths)
-            nan = torch.full((values.shape[0],), float("nan"), device=x.device)
-            where, _, _ = _truncate_and_draw(values, widths, opts, nan, uniforms[start:end])
+            where, _, _ = _truncate_and_draw(values, widths, opts, None, uniforms[start:end])
             out[start:end] = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         return out
 
@@ -332,15 +324,16 @@ class Sampler:
         return out
 
 
-def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torch.Tensor, log_z: torch.Tensor,
-                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torch.Tensor, whole: torch.Tensor | None,
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Temperature, min-p, top-k and top-p over each row's candidates, then one draw.
 
     values: [R, N] logits, largest first; widths: [R] leading candidates a row may keep (its top_k, or all it
-    has); options: [R, 4] as Sampler._options; log_z: [R] log normaliser of the row's whole tempered
-    vocabulary, or NaN when the candidates hold all the row can keep. Returns each row's drawn column [R],
-    whether the candidates decided its top-p cut [R] (always, for a NaN log_z row), and the candidates'
-    share of the row's probability [R] (1 where top_p is off everywhere).
+    has); options: [R, 4] as Sampler._options; whole: [R, N] the candidates' probabilities under the row's
+    whole tempered vocabulary (top-p probe rows), or None when the candidates hold all a row can keep.
+    Returns each row's drawn column [R], whether the candidates decided its top-p cut [R] (always, without
+    `whole`), and the candidates' share of the row's probability [R] (1 where top_p is off everywhere).
+    Softmax rather than exp throughout: see vocab_ops.probs_at.
     """
     temperature, top_p, min_p = options[:, 0:1], options[:, 2:3], options[:, 3:4]  # each [R, 1]
     num = values.shape[1]
@@ -348,23 +341,21 @@ def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torc
     # Each pass below runs only when some row needs it: on a sorted whole vocabulary each is a full pass.
     if int(widths.min()) < num:
         z.masked_fill_(torch.arange(num, device=values.device) >= widths.unsqueeze(1), _NEG_INF)
-    top = z[:, :1].clone()  # the row's largest (a copy: z is shifted by it in place below)
     if bool((min_p > 0).any()):
         # min-p: p_i < min_p * p_max is z_i < z_max + log(min_p), no softmax needed; log(0) = -inf keeps all.
-        z.masked_fill_(z < top + min_p.log(), _NEG_INF)
-    weights = z.sub_(top).exp_()  # [R, N]: p_i / p_max, 0 for what is cut
+        z.masked_fill_(z < z[:, :1] + min_p.log(), _NEG_INF)
+    weights = z.softmax(dim=1)  # [R, N]: over the kept candidates, 0 for what is cut
     covered = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
     mass = torch.ones(values.shape[0], device=values.device)
     if bool((top_p < 1).any()):
         # Each candidate's probability: over the kept candidates, or over the whole vocabulary (probe rows).
-        kept_log_total = weights.sum(dim=1).log()
-        log_total = torch.where(log_z.isnan(), kept_log_total, log_z - top.squeeze(1))
-        probs = weights / log_total.exp().unsqueeze(1)
+        probs = weights if whole is None else whole.masked_fill(z == _NEG_INF, 0.0)
         cumulative = probs.cumsum(dim=1)
         # Keep the smallest set of most likely tokens whose mass reaches p (the most likely always stays).
-        weights.masked_fill_((cumulative - probs > top_p) & (top_p < 1), 0.0)
+        weights = weights.masked_fill((cumulative - probs > top_p) & (top_p < 1), 0.0)
         mass = cumulative[:, -1]
-        covered = log_z.isnan() | (mass > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
+        if whole is not None:
+            covered = (mass > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
     return vocab_ops.draw(weights, uniforms), covered, mass
 
 
@@ -374,8 +365,9 @@ def _draw_whole(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, unif
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
     for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
         end = start + vocab_ops.ROW_CHUNK
-        weights = x.index_select(0, rows[start:end])  # [R, V], a copy the passes below reuse
-        weights.sub_(weights.amax(dim=1, keepdim=True)).div_(options[start:end, 0:1]).exp_()  # p_i / p_max
-        weights.masked_fill_(weights < options[start:end, 3:4], 0.0)  # min-p
+        opts = options[start:end]
+        weights = (x.index_select(0, rows[start:end]) / opts[:, 0:1]).softmax(dim=1)  # [R, V]
+        if bool((opts[:, 3] > 0).any()):  # min-p
+            weights.masked_fill_(weights < weights.amax(dim=1, keepdim=True) * opts[:, 3:4], 0.0)
         out[start:end] = vocab_ops.draw(weights, uniforms[start:end])
     return out

@@ -266,7 +266,7 @@ def mixed_rows(vocab: int, seed: int) -> tuple[torch.Tensor, list[Request]]:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(12, vocab, generator=g)
     logits[0:4] *= 4  # peaked: top-p is decided among the largest few
-    logits[11] *= 1.4  # top-p 0.8 at temperature 0.7 needs between 128 and 4096 candidates
+    logits[11] *= 2.0  # top-p 0.8 at temperature 0.7: at 131,072 ids, more than 128 candidates and fewer than 4,096
     logits[4:6] *= 0.05  # flat: top-p needs most of the vocabulary
     logits[6:8] = (logits[6:8] * 2).round()  # many ties, at every k
     options = [dict(top_k=20), dict(top_p=0.9, temperature=0.7), dict(top_k=50, top_p=0.8, min_p=0.02),
@@ -278,14 +278,14 @@ def mixed_rows(vocab: int, seed: int) -> tuple[torch.Tensor, list[Request]]:
     return logits, reqs
 
 
-def test_fast_paths_draw_what_the_sorted_reference_draws():
+@pytest.mark.parametrize("vocab,seeds,steps", [(20_000, 3, 6), (131_072, 1, 2)])  # the second: both top-p probes
+def test_fast_paths_draw_what_the_sorted_reference_draws(vocab, seeds, steps):
     # Same uniforms (same seeds, same engine seed), so each row must pick the same token as the full sort.
-    vocab = 20_000
-    for seed in range(3):
+    for seed in range(seeds):
         logits, reqs_fast = mixed_rows(vocab, seed)
         _, reqs_ref = mixed_rows(vocab, seed)
         fast, ref = Sampler(vocab, seed=seed), Sampler(vocab, seed=seed, fast=False)
-        for _ in range(6):
+        for _ in range(steps):
             a = fast.sample(logits.clone(), reqs_fast, may_overwrite=True).token_ids
             b = ref.sample(logits.clone(), reqs_ref, may_overwrite=True).token_ids
             assert a == b
