@@ -101,10 +101,9 @@ def probs_at(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, ids: torc
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw, one uniform in [0, 1) per row: weights [R, N] >= 0 (not normalised, overwritten with
-    their running sums) -> [R] column indices, each drawn with probability weights / row sum. A column of
-    weight 0 is never drawn."""
-    cumulative = weights.cumsum_(dim=1)  # in place: for full-vocabulary rows there is no second [R, V]
+    """Inverse-CDF draw, one uniform in [0, 1) per row: weights [R, N] >= 0 (not normalised) -> [R] column
+    indices, each drawn with probability weights / row sum. A column of weight 0 is never drawn."""
+    cumulative = weights.cumsum(dim=1)  # not cumsum_: torch's in-place form runs several times slower
     totals = cumulative[:, -1]
     # u < 1, but u * total may round up to the total: stay strictly below it, so some column passes
     targets = torch.minimum(uniforms * totals, torch.nextafter(totals, torch.zeros_like(totals))).unsqueeze(1)
