@@ -19,6 +19,7 @@ from rawserve.engine.loader import ModelConfig, TensorEntry, can_map, load_weigh
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.step_plan import ForwardBatch, StepInput
+from rawserve.engine.vocab_ops import ROW_CHUNK
 
 log = logging.getLogger("rawserve.engine")
 
@@ -198,18 +199,20 @@ class ModelRunner:
 
     def _step_bytes_estimate(self) -> int:
         """A worst-case step's working memory from the shapes (what _profile_step then measures): float32 logits
-        of --max-num-seqs rows, with the sampler's softmax and sort (values and int64 ids), and the
+        of --max-num-seqs rows, the sampler's worst case over them (every row asking for logprobs: a raw copy and
+        a log-softmax of each; a sort of ROW_CHUNK rows, values and int64 ids, beside their softmax), and the
         activations of --max-num-batched-tokens tokens."""
         cfg = self.model_config
         num_tokens = self.config.max_num_batched_tokens
         rows = min(self.config.max_num_seqs, num_tokens)
         width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        return 4 * (5 * rows * cfg.vocab_size + num_tokens * width)
+        return 4 * (3 * rows * cfg.vocab_size + 4 * ROW_CHUNK * cfg.vocab_size + num_tokens * width)
 
     def _profile_step(self) -> int:
         """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens
-        tokens with --max-num-seqs logit rows, and the sampler's sort of them, measured as the rise of this
-        process's peak RSS. Runs against a one-block KV pool every slot maps to (the values are garbage)."""
+        tokens with --max-num-seqs logit rows, and the sampler's worst case over them (see _step_bytes_estimate),
+        measured as the rise of this process's peak RSS. Runs against a one-block KV pool every slot maps to (the
+        values are garbage)."""
         cfg, bs = self.model_config, self.block_size
         num_tokens = self.config.max_num_batched_tokens
         seqs, left = [], num_tokens
@@ -225,9 +228,10 @@ class ModelRunner:
         memory.reset_peak_rss()
         before = memory.rss_bytes()
         logits = self.execute(batch)
-        torch.sort(logits.softmax(-1), dim=-1, descending=True)
+        raw, logprobs = logits.clone(), logits.log_softmax(-1)
+        torch.sort(logits[:ROW_CHUNK].softmax(-1), dim=-1, descending=True)
         margin = max(0, memory.rss_bytes("VmHWM") - before)
-        del logits
+        del logits, raw, logprobs
         self.kv_caches = []
         return margin
 
