@@ -27,6 +27,8 @@ ATTENTION_BACKENDS = ("torch", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
 ENGINE_MODES = ("thread", "process")
 METRICS_COMPAT = ("none", "vllm")
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANT_GROUP_SIZES = (32, 128)
 # --kv-cache-memory-gb auto on a CPU: the share of the memory left after the weights and a step's working
 # memory that the KV cache may take; the rest covers what grows with requests (their state, Python objects).
 CPU_MEMORY_SHARE = 0.8
@@ -101,6 +103,15 @@ class EngineConfig:
     max_loras: int = field(default=1, metadata={
         "help": "Adapters resident at once, and so most distinct adapters in one step (vLLM's flag)."})
     max_lora_rank: int = field(default=16, metadata={"help": "Largest adapter rank accepted."})
+    quantization: str = field(default="none", metadata={
+        "help": "Quantize the decoder's linear weights as they load (CPU only): none, int8 (per-output-channel "
+                "symmetric, run as dynamic W8A8 through torch's quantized engine, or weight-only int8 where that "
+                "is missing) or int4 (group-wise asymmetric, weight-only; the LM head is held in int8). Norms, "
+                "embeddings and attention stay at --dtype.",
+        "choices": QUANTIZATIONS})
+    quantization_group_size: int = field(default=128, metadata={
+        "help": "Input columns sharing one scale and zero point under --quantization int4: 32 or 128.",
+        "choices": QUANT_GROUP_SIZES})
 
     @property
     def lora_enabled(self) -> bool:
@@ -166,6 +177,10 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")
         _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        _check(self.quantization in QUANTIZATIONS, "quantization",
+               f"must be one of {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        _check(self.quantization_group_size in QUANT_GROUP_SIZES, "quantization_group_size",
+               f"must be 32 or 128, got {self.quantization_group_size!r}")
         self.lora_paths()
 
 

@@ -87,8 +87,10 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
         names = ", ".join(info.get("loras") or {}) or "none yet"
         lora = (f", LoRA adapters: {names} ({engine_config.max_loras} resident at once, rank <= "
                 f"{engine_config.max_lora_rank})")
+    quant = f", quantization {info.get('quantization', engine_config.quantization)}" \
+        if engine_config.quantization != "none" else ""
     return (f"serving {model_name!r} from {model_dir}: {architecture}, {format_count(num_params)} parameters, "
-            f"dtype {info.get('dtype', engine_config.dtype)}, device {info.get('device', engine_config.device)}{threads}, "
+            f"dtype {info.get('dtype', engine_config.dtype)}{quant}, device {info.get('device', engine_config.device)}{threads}, "
             f"max_model_len {info.get('max_model_len', '?')}, KV cache {kv}{lora}, engine in a "
             f"{server_config.engine_mode}, listening on {url}, API key {'on' if server_config.api_key or server_config.api_key_file else 'off'}")
 

@@ -49,7 +49,9 @@ def describe_core(core: Any) -> dict:
             out["dtype"] = str(runner.dtype).removeprefix("torch.")
         model = getattr(runner, "model", None)
         if model is not None and hasattr(model, "parameters"):
-            out["num_params"] = sum(p.numel() for p in model.parameters())
+            out["num_params"] = getattr(model, "num_params", None) or sum(p.numel() for p in model.parameters())
+        if getattr(runner, "quant", None) is not None:
+            out["quantization"] = runner.quant.describe()
     threads = getattr(core, "threads", None)
     if isinstance(threads, ThreadPlan):  # the count torch reported after applying it, and why
         out["num_threads"], out["threads_reason"] = threads.num_threads, threads.reason

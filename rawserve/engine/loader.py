@@ -10,10 +10,12 @@ import json
 import logging
 import mmap
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 import torch
 
 from rawserve.logs import Progress
+from rawserve.process_stats import release_free_heap
 
 log = logging.getLogger("rawserve.engine")
 
@@ -281,14 +283,17 @@ Target = tuple[torch.Tensor, int, int]
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapped: frozenset[str] = frozenset()
-                 ) -> None:
+def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapped: frozenset[str] = frozenset(),
+                 on_filled: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
     """Copy every checkpoint tensor into its target slice, converting dtype, one tensor at a time.
 
     `targets` maps checkpoint names to (parameter, row_start, row_end). Every target must be filled.
     `mapped`: names the model serves from the file itself (map_tensor), skipped here.
+    A parameter left on the meta device is never allocated: its slices go into a float32 matrix that lives
+    until its last slice arrives, then on_filled(parameter, matrix) takes it (--quantization).
     """
     missing = set(targets)
+    pending: dict[int, tuple[torch.Tensor, int]] = {}  # id(meta parameter) -> (dense matrix, rows still to come)
     files = safetensors_files(model_dir)
     progress = Progress(f"loading weights from {len(files)} file(s)", sum(f.stat().st_size for f in files), log)
     for file in files:
@@ -306,7 +311,21 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
                 if entry.shape != tuple(expected):
                     raise CheckpointError(f"{file}: tensor {entry.name!r} has shape {entry.shape}, expected "
                                           f"{tuple(expected)}")
-                read_tensor_into(entry, f, param[start:end])
+                if param.is_meta:
+                    dense, rows_left = pending.get(id(param)) or (torch.empty(param.shape, dtype=torch.float32),
+                                                                  param.shape[0])
+                    read_tensor_into(entry, f, dense[start:end])
+                    if rows_left - (end - start):
+                        pending[id(param)] = (dense, rows_left - (end - start))
+                    else:
+                        pending.pop(id(param), None)
+                        on_filled(param, dense)
+                        del dense
+                        # glibc keeps freed blocks this size resident once its mmap threshold has grown past
+                        # them: without this a quantized load's RSS ends near the dense model's
+                        release_free_heap()
+                else:
+                    read_tensor_into(entry, f, param[start:end])
                 missing.discard(entry.name)
                 progress.update(entry.num_bytes)
     progress.close()

@@ -18,6 +18,7 @@ from rawserve.engine.loader import ModelConfig, TensorEntry, can_map, load_weigh
     read_safetensors_header, safetensors_files
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
+from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
 
@@ -46,25 +47,30 @@ def resolve_dtype(config: EngineConfig, cfg: ModelConfig, device: torch.device) 
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
-               cfg: ModelConfig | None = None, *, prepack: bool = True, attention_backend: str = "torch"
-               ) -> DecoderModel:
+               cfg: ModelConfig | None = None, *, prepack: bool = True, attention_backend: str = "torch",
+               quant: QuantPlan | None = None) -> DecoderModel:
     """Build the model without initialising it, then stream the checkpoint's tensors into it.
 
     prepack: on CPU, hold the matmul weights in oneDNN's packed layout (see DecoderLayer.prepack).
+    quant: quantize the linear weights as they load (DecoderModel.defer_quantized); the rest stays at dtype.
     """
     cfg = cfg or read_model_config(model_dir)
     with torch.device("meta"):
         model = DecoderModel(cfg, dtype, attention_backend)
-    model.to_empty(device=device)
+    on_filled = model.defer_quantized(quant) if quant is not None else None
+    model.materialize(device)
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
     targets = model.targets()
-    embedding = mapped_embedding(model_dir, cfg, device, prepack)
+    head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
+    embedding = mapped_embedding(model_dir, cfg, device, head_apart)
     if embedding is not None:
         model.map_embedding(embedding)
         del targets[embedding.name]
     else:
-        model.narrow_embedding(head_packed=prepack)
-    load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset())
+        model.narrow_embedding(head_packed=head_apart)
+    load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset(), on_filled)
+    if quant is not None:
+        model.finish_quantized(quant)
     if prepack:
         model.prepack()
     return model.eval()
@@ -84,25 +90,43 @@ def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: to
     return None
 
 
-def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelConfig, device: torch.device) -> int:
+def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelConfig, device: torch.device,
+                 quant: QuantPlan | None = None) -> int:
     """Bytes the loaded weights take at `dtype`, from the safetensors headers (nothing read but them): a CPU's
-    pre-packed tied LM head counts once, and an embedding served from the file (mapped_embedding) not at all (its
-    pages are the page cache's, resident only as far as lookups touch them)."""
+    pre-packed tied LM head counts once, an embedding served from the file (mapped_embedding) not at all (its
+    pages are the page cache's, resident only as far as lookups touch them), and what `quant` quantizes at its
+    quantized size (DecoderModel.defer_quantized)."""
     size = torch.finfo(dtype).bits // 8
     packed = device.type == "cpu" and cpu_prepack_supported(dtype)
-    mapped = mapped_embedding(model_dir, cfg, device, packed)
+    head_apart = packed or quant is not None  # the head is read from its own packed or quantized copy
+    mapped = mapped_embedding(model_dir, cfg, device, head_apart)
     total = 0
     for file in safetensors_files(model_dir):
         for entry in read_safetensors_header(file):
             if mapped is not None and entry.name == mapped.name and entry.file == mapped.file:
                 continue
+            if quant is not None and (entry.name == "lm_head.weight" or _is_linear(entry.name)):
+                continue  # counted below, fused and quantized
             if entry.dtype.is_floating_point:
                 # DecoderModel.narrow_embedding: an embedding no matmul reads stays at the checkpoint's dtype
-                narrow = entry.name == "model.embed_tokens.weight" and (packed or not cfg.tie_word_embeddings)
+                narrow = entry.name == "model.embed_tokens.weight" and (head_apart or not cfg.tie_word_embeddings)
                 total += entry.num_bytes // entry.dtype.itemsize * (min(size, entry.dtype.itemsize) if narrow else size)
-    if cfg.tie_word_embeddings and packed:
+    if quant is not None:
+        q, kv, inter, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, \
+            cfg.hidden_size
+        for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
+            total += cfg.num_layers * (quantized_bytes(quant, n, k) or n * k * size)
+        total += quantized_bytes(quant, cfg.vocab_size, hidden, head=True)
+    elif cfg.tie_word_embeddings and packed:
         total += cfg.vocab_size * cfg.hidden_size * size
     return total
+
+
+def _is_linear(name: str) -> bool:
+    """A checkpoint tensor that fills one of a layer's fused matmul weights (LINEARS)."""
+    return name.startswith("model.layers.") and name.endswith((
+        ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight",
+        ".up_proj.weight", ".down_proj.weight"))
 
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
@@ -150,6 +174,8 @@ class ModelRunner:
         use_graphs = resolve_cuda_graphs(config, self.device)
         self.graphs: DecodeGraphs | None = None  # captured last, once the KV pool exists; the profile step runs eager
         check_attention_backend(config, cfg, self.device)
+        self.quant = (probe_plan(config.quantization, config.quantization_group_size, self.device)
+                      if config.quantization != "none" else None)
         torch.manual_seed(config.seed)
         # Without --num-kv-blocks (and off a GPU), the pool is sized from what this process may still use,
         # so read it first: a limit the weights and one step do not fit is refused here, not OOM-killed later.
@@ -157,7 +183,11 @@ class ModelRunner:
         if sizes_by_memory:
             self._check_weights_fit(memory.headroom())
         self.model = load_model(config.model_dir, self.dtype, self.device, cfg,
-                                attention_backend=config.attention_backend)
+                                attention_backend=config.attention_backend, quant=self.quant)
+        if self.quant is not None:
+            log.info("quantization: %s; %d matrices quantized, %s of weights", self.quant.describe(),
+                     self.model.num_quantized,
+                     memory.mib(weight_bytes(config.model_dir, self.dtype, cfg, self.device, self.quant)))
         self.model.init_rope(self.max_model_len, self.device)
         self.lora: LoraWeights | None = None
         if config.lora_enabled:
@@ -190,7 +220,7 @@ class ModelRunner:
     def _check_weights_fit(self, room: memory.Headroom) -> None:
         """Refuse (ValueError, with the numbers) a process that cannot hold the weights and one step: checked
         before loading, since a limit met while loading or profiling is an OOM kill, not a message."""
-        need = weight_bytes(self.config.model_dir, self.dtype, self.model_config, self.device)
+        need = weight_bytes(self.config.model_dir, self.dtype, self.model_config, self.device, self.quant)
         step = self._step_bytes_estimate()
         if need + step > room.available_bytes:
             raise ValueError(f"not enough memory for the weights: they need {memory.mib(need)} as "

@@ -5,9 +5,11 @@ q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls); the lo
 """
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,10 @@ from rawserve.engine.attention import get_backend
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, TensorEntry, map_tensor
 from rawserve.engine.lora import LoraBatch, LoraWeights
+from rawserve.engine.quant import QuantizedLinear, QuantPlan, quantize, quantized_bytes
+
+log = logging.getLogger("rawserve.engine")
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the fused matmul weights of a layer
 
 
 def cpu_prepack_supported(dtype: torch.dtype) -> bool:
@@ -100,6 +106,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         self.scale = cfg.head_dim ** -0.5
         self.packed: dict[str, torch.Tensor] = {}  # name -> oneDNN pre-packed weight (CPU only)
+        self.quant: dict[str, QuantizedLinear] = {}  # name -> quantized weight (--quantization)
 
     def prepack(self) -> None:
         """Re-lay the matmul weights in oneDNN's blocked format and drop the dense copies.
@@ -107,7 +114,9 @@ class DecoderLayer(nn.Module):
         On CPU this makes every linear 2-4x faster (measured at 1-512 rows: the weights are no longer
         re-packed on each call), batch-1 decode included.
         """
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in LINEARS:
+            if name in self.quant:
+                continue
             param = getattr(self, name)
             self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach())
             param.data = torch.empty(0, dtype=param.dtype)  # free the dense weight
@@ -115,7 +124,10 @@ class DecoderLayer(nn.Module):
     def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None,
                lora: LoraBatch | None = None) -> torch.Tensor:
         packed = self.packed.get(name)
-        if packed is not None:
+        quantized = self.quant.get(name)
+        if quantized is not None:
+            y = quantized(x, bias)
+        elif packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         else:
             y = F.linear(x, getattr(self, name), bias)
@@ -188,6 +200,10 @@ class DecoderModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head pre-packed by prepack()
         self.embedding_file: mmap.mmap | None = None  # the checkpoint file under embed_tokens (map_embedding)
+        self.quant_head: QuantizedLinear | None = None  # --quantization: the LM head, quantized as it loads
+        self.deferred: set[int] = set()  # ids of parameters left on meta for the quantizer (defer_quantized)
+        # Counted now, while every weight is a parameter: pre-packing and quantizing empty them later.
+        self.num_params = sum(p.numel() for p in self.parameters())
         self.rope_cos: torch.Tensor | None = None  # [max_pos, D] float32, built by init_rope() (see apply_rope)
         self.rope_sin: torch.Tensor | None = None
 
@@ -200,6 +216,13 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             t["lm_head.weight"] = (self.lm_head, 0, self.cfg.vocab_size)
         return t
+
+    def materialize(self, device: torch.device) -> None:
+        """torch's to_empty(), but parameters deferred to the quantizer stay on meta (never allocated dense)."""
+        for module in self.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) not in self.deferred:
+                    setattr(module, name, nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.cfg).to(device)
@@ -235,6 +258,8 @@ class DecoderModel(nn.Module):
         """
         for layer in self.layers:
             layer.prepack()
+        if self.quant_head is not None:
+            return
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         self.packed_head = torch.ops.mkldnn._reorder_linear_weight(self._dense_head(weight.detach()))
         if self.lm_head is not None:
@@ -277,7 +302,57 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
+        if self.quant_head is not None:
+            return self.quant_head(hidden).float()
         if self.packed_head is not None:
             return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [], "").float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
+
+    def defer_quantized(self, plan: QuantPlan) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """Before loading, with the model still on the meta device: name the matrices `plan` quantizes, and
+        return the loader's on_filled hook, which quantizes each one as its last slice arrives (a fused matrix
+        once q, k and v, or gate and up, are all in) and keeps only the quantized form. The dense matrix lives
+        only while its slices load, so peak memory is the quantized model plus a fused matrix or two.
+
+        Shapes torch's int4 kernel cannot take stay dense at the model's dtype (logged); an untied LM head is
+        quantized as it loads, a tied one from the embedding afterwards (finish_quantized)."""
+        owners: dict[int, tuple[nn.Module, str, bool]] = {}  # id(meta parameter) -> (module, attribute, is_head)
+        kept = []
+        for layer in self.layers:
+            for name in LINEARS:
+                param = getattr(layer, name)
+                if quantized_bytes(plan, *param.shape) is None:
+                    kept.append(f"{name} {tuple(param.shape)}")
+                    continue
+                owners[id(param)] = (layer, name, False)
+        if self.lm_head is not None:
+            owners[id(self.lm_head)] = (self, "lm_head", True)
+        if kept:
+            log.info("quantization: %s kept at %s in every layer (int4 needs out %% 16 == 0 and in %% %d == 0)",
+                     ", ".join(sorted(set(kept))), self.norm.dtype, plan.group_size)
+        dtype = self.norm.dtype
+
+        def on_filled(param: torch.Tensor, dense: torch.Tensor) -> None:
+            module, name, is_head = owners[id(param)]
+            quantized = quantize(dense, plan, head=is_head)
+            if is_head:
+                self.quant_head = quantized
+            else:
+                module.quant[name] = quantized
+            setattr(module, name, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))
+
+        self.deferred = set(owners)
+        return on_filled
+
+    def finish_quantized(self, plan: QuantPlan) -> None:
+        """After loading: a tied LM head gets its quantized copy (the embedding stays dense for the lookup)."""
+        if self.lm_head is None:
+            self.quant_head = quantize(self.embed_tokens.detach(), plan, head=True)
+            if self.embedding_file is not None:  # quantizing read every row: drop them from this process's pages
+                self.embedding_file.madvise(mmap.MADV_DONTNEED)
+
+    @property
+    def num_quantized(self) -> int:
+        """Quantized matrices, the LM head included."""
+        return sum(len(layer.quant) for layer in self.layers) + (self.quant_head is not None)
