@@ -103,17 +103,14 @@ def health(ctx: ServingContext, stall_timeout_s: float = 30.0) -> Callable:
 
 
 def loading_router() -> Router:
-    """What answers while the model loads: /health 200 (the process lives), /ready and every other path 503
-    `loading` (with Retry-After), so a probe or a client is told at once instead of waiting in the backlog."""
-    async def alive(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "loading"})
-
+    """What answers while the model loads: every path, /health and /ready included, 503 `loading` (with
+    Retry-After), so a probe or a client is told at once instead of waiting in the backlog. /health too, as
+    llama.cpp's server does: scripts and benchmarks wait for its 200 before sending work, and Kubernetes gives
+    a load its time through the startup probe on /health (deploy/k8s)."""
     async def loading(request: Request) -> JSONResponse:
         raise APIError(503, "The model is loading.", code="loading")
 
     router = Router()
-    router.add("GET", "/health", alive)
-    router.add("HEAD", "/health", alive)
     for method in ("GET", "HEAD", "POST", "DELETE"):
         router.add(method, "/{path:path}", loading)
     return router

@@ -109,8 +109,9 @@ def test_shutdown_timeout_bounds_the_exit_when_a_request_outlasts_it():
         server.kill()
 
 
-def test_while_the_model_loads_ready_says_loading_and_health_is_alive(monkeypatch):
-    """The listener answers during the load: /ready and the API 503 `loading` (Retry-After), /health 200."""
+def test_while_the_model_loads_every_path_says_loading(monkeypatch):
+    """The listener answers during the load: /ready, /health and the API 503 `loading` (Retry-After), so what
+    waits for /health 200 (scripts, ../shared/peers/bench.py) sends work only once the model is up."""
     import asyncio
 
     import rawserve.engine.core as core_module
@@ -149,12 +150,14 @@ def test_while_the_model_loads_ready_says_loading_and_health_is_alive(monkeypatc
 
         status, headers, body = get("/ready")
         assert status == 503 and body["error"]["code"] == "loading" and "retry-after" in {h.lower() for h in headers}
-        assert get("/health")[0] == 200
+        status, headers, body = get("/health")
+        assert status == 503 and body["error"]["code"] == "loading" and "retry-after" in {h.lower() for h in headers}
         status, _, body = get("/v1/models")
         assert status == 503 and body["error"]["code"] == "loading"
         gate.set()
         start.result(60)
-        assert get("/ready")[0] == 200 and get("/v1/models")[2]["data"][0]["id"] == "demo"
+        assert get("/ready")[0] == 200 and get("/health")[0] == 200
+        assert get("/v1/models")[2]["data"][0]["id"] == "demo"
     finally:
         gate.set()
         if start.done() and start.exception() is None:
