@@ -19,6 +19,7 @@ import pytest
 
 from rawserve.cli import main, parse_with_model
 from rawserve.config import build_parser, configs_from_args
+from tests.spawned import listening_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -131,14 +132,7 @@ class Server:
                                      cwd=ROOT, env={**{k: v for k, v in os.environ.items()
                                                        if not k.startswith("RAWSERVE_")}, **(env or {})})
         self.lines: list[str] = []
-        self.port = None
-        deadline = time.monotonic() + 120
-        while self.port is None:
-            line = self.proc.stderr.readline()
-            assert line and time.monotonic() < deadline, "server exited before serving:\n" + "".join(self.lines)
-            self.lines.append(line)
-            match = re.search(r"listening on https?://127\.0\.0\.1:(\d+)/v1", line)
-            self.port = int(match.group(1)) if match else None
+        self.port = listening_port(self.proc, self.lines)
 
     def stop(self) -> str:
         """SIGTERM, wait for the drain, and return everything it wrote to stderr."""

@@ -19,6 +19,7 @@ import pytest
 
 from tests.api.demo_server import serve_demo
 from tests.api.test_openai_server import demo_dir, raw  # noqa: F401 - demo_dir is a fixture
+from tests.spawned import listening_port
 
 STALL_S = 1.5
 
@@ -142,13 +143,7 @@ def test_sigterm_under_load_ends_streams_past_the_drain_timeout_with_an_error_ev
                              "--num-kv-blocks", "512", "--max-model-len", "4096", "--drain-timeout-s", "1"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        deadline = time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            assert line, "server exited before serving"
-            match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(match.group(1)) if match else None
+        port = listening_port(proc)
         threading.Thread(target=proc.stderr.read, daemon=True).start()
         streams = [Stream(port) for _ in range(4)]
         for s in streams:

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
+from tests.spawned import listening_port
 
 BODY_BYTES = 8 * 1024 * 1024  # --max-body-bytes: each body is as large as the server admits
 NUM_BODIES = 8
@@ -62,15 +63,7 @@ def server():
                              "--engine-mode", "process", "--num-kv-blocks", "64", "--max-model-len", "512",
                              "--max-body-bytes", str(BODY_BYTES), "--api-key", KEY, "--no-log-requests"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
-    port = None
-    deadline = time.monotonic() + 120
-    lines = []
-    while port is None and time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        assert line, "server exited:\n" + "".join(lines)
-        lines.append(line)
-        match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        port = int(match.group(1)) if match else None
+    port = listening_port(proc)
     threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe from filling
     yield proc.pid, port
     proc.terminate()

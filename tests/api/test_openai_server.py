@@ -18,6 +18,7 @@ import time
 import pytest
 
 from rawserve.config import EngineConfig, ServerConfig
+from tests.spawned import listening_port
 
 openai = pytest.importorskip("openai")
 
@@ -277,13 +278,7 @@ def test_python_m_rawserve_serves_with_a_process_core_and_drains_on_sigterm(demo
                              "--served-model-name", MODEL, "--num-kv-blocks", "64", "--max-model-len", "512"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        deadline = time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            assert line, "server exited before serving"
-            match = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line)
-            port = int(match.group(1)) if match else None
+        port = listening_port(proc)
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
         r = c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
         assert r.usage.completion_tokens == 4
