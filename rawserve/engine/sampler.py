@@ -47,6 +47,8 @@ def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, num_top: list[
 # the row sorts its whole vocabulary. The first comes from block maxima; the second is torch.topk (about a
 # fifth of a full sort's time at a 152k vocabulary).
 TOP_P_PROBES = (128, 4096)
+# Candidates a top_k row takes beyond its k, for tokens tied at its k-th value (see Sampler._from_candidates).
+TIE_ROOM = 32
 
 
 class Sampler:
@@ -221,18 +223,23 @@ class Sampler:
         picked = torch.tensor(which, dtype=torch.int64, device=dev)
         opts = options.index_select(0, picked)
         widths = opts[:, 1].long() if not probe_width else torch.full_like(picked, probe_width)
-        # One more candidate than the widest row keeps: a top_k row whose k-th value equals the next one has
-        # ties that torch's k-th-value cut keeps, wherever they lie; it goes to the sorted path.
-        num = min(int(widths.max()) + 1, vocab)
+        # A top_k row keeps every token tied at its k-th value, as torch's k-th-value cut does: TIE_ROOM more
+        # candidates than the widest row keeps hold the tie runs of bf16 logits (which tie often), and a row
+        # whose run reaches the last candidate may go on beyond it, so it goes to the sorted path.
+        num = min(int(widths.max()) + (1 if probe_width else TIE_ROOM), vocab)
         rows_x = sampled_t.index_select(0, picked)
         every = len(which) == x.shape[0]  # every row, in order: read x as it is
         values, ids = vocab_ops.topk(x, num, maxima, None if every else rows_x)  # [C, num], largest first
+        if not probe_width:
+            last = values.gather(1, (widths - 1).unsqueeze(1))  # [C, 1]: the k-th value
+            finite = last.squeeze(1).isfinite()  # -inf ties carry no weight: nothing to keep
+            tied = (values >= last).sum(dim=1)  # [C]: k, and the ties at the k-th value after it
+            widths = torch.where(finite, tied, widths)
+            tie_covered = (tied < num) | (num == vocab) | ~finite
         whole = vocab_ops.probs_at(x, rows_x, opts[:, 0], ids) if probe_width else None
         where, covered, mass = _truncate_and_draw(values, widths, opts, whole, uniforms.index_select(0, picked))
         if not probe_width:
-            last = values.gather(1, (widths - 1).unsqueeze(1)).squeeze(1)
-            beyond = values.gather(1, widths.clamp_max(num - 1).unsqueeze(1)).squeeze(1)
-            covered &= ~((widths < num) & (beyond == last) & last.isfinite())
+            covered = tie_covered
         chosen = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         tokens[rows_x[covered]] = chosen[covered]
         left = [j for j, ok in zip(which, covered.tolist()) if not ok]
@@ -250,7 +257,8 @@ class Sampler:
         for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
             end = start + vocab_ops.ROW_CHUNK
             opts = options[start:end]
-            values, ids = x.index_select(0, rows[start:end]).sort(dim=1, descending=True)  # [R, V]
+            values, ids = x.index_select(0, rows[start:end]).sort(dim=1, descending=True, stable=True)  # ties
+            # in token-id order, as vocab_ops.topk gives candidates: a draw picks the same token on either path
             k = opts[:, 1].long()
             widths = torch.full_like(k, values.shape[1])
             if bool((k > 0).any()):

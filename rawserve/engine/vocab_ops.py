@@ -77,14 +77,26 @@ def topk(x: torch.Tensor, k: int, maxima: torch.Tensor, rows: torch.Tensor | Non
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """x[rows].topk(k, dim=1) (sorted, largest first) through x's block maxima (all of x's rows): exact,
     since a value above the k-th largest lies in a block whose max is too, and at most k - 1 blocks can
-    have one. Which of several equal values is returned may differ from torch.topk's choice."""
+    have one. Equal values come in token-id order (ties_by_id); which of several equal values at the k-th place
+    is returned may differ from torch.topk's choice."""
     if rows is not None:
         maxima = maxima.index_select(0, rows)
     if k * BLOCK * 2 >= x.shape[1]:  # the blocks would cover most of the row anyway
-        return (x if rows is None else x.index_select(0, rows)).topk(k, dim=1)
+        return ties_by_id(*(x if rows is None else x.index_select(0, rows)).topk(k, dim=1))
     blocks = maxima.topk(k, dim=1).indices  # [R, k]
     top_values, where = _read_blocks(x, blocks, rows).topk(k, dim=1)  # [R, k]
-    return top_values, _ids(blocks, where, x.shape[1])
+    return ties_by_id(top_values, _ids(blocks, where, x.shape[1]))
+
+
+def ties_by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates [R, N] largest first -> the same, equal values ordered by token id, as a stable sort of the
+    whole row orders them: a draw then picks the same token from either. Free when no two values are equal
+    (float32 logits); bf16 logits tie often."""
+    if values.shape[1] < 2 or not bool((values[:, 1:] == values[:, :-1]).any()):
+        return values, ids
+    ids, order = ids.sort(dim=1)
+    values, order = values.gather(1, order).sort(dim=1, descending=True, stable=True)
+    return values, ids.gather(1, order)
 
 
 def probs_at(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -309,3 +309,31 @@ def test_fast_greedy_is_torch_argmax_on_a_full_vocabulary():
 def test_top_k_keeps_every_token_tied_at_the_k_th_value():
     shares = frequencies([0.4, 0.2, 0.2, 0.2], top_k=2)  # the k-th value is shared by three tokens
     assert shares == pytest.approx([0.4, 0.2, 0.2, 0.2], abs=0.03)
+
+
+def test_bf16_ties_at_the_k_th_value_stay_on_the_candidate_path(monkeypatch):
+    # A bf16 model's logits (cast to float32) tie often: Qwen3's defaults (top_k 20) must not send such rows to
+    # the whole-vocabulary sort, and must still draw what the sorted reference draws, ties in token-id order.
+    vocab, rows = 151_936, 24
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16).float()
+    logits[-1, :64] = 20.0  # a tie run longer than the candidates' room: this row alone sorts its vocabulary
+    options = dict(temperature=0.6, top_k=20, top_p=0.95)
+    top20 = logits.topk(21, dim=1).values
+    assert bool((top20[:, 19] == top20[:, 20]).sum() >= 3)  # the case under test: ties at the 20th value
+    sorted_rows = []
+    original = Sampler._sample_sorted
+
+    def spy(x, rows_x, opts, uniforms):
+        sorted_rows.extend(rows_x.tolist())
+        return original(x, rows_x, opts, uniforms)
+
+    monkeypatch.setattr(Sampler, "_sample_sorted", staticmethod(spy))
+    reqs_fast = [req(f"f{i}", seed=i, **options) for i in range(rows)]
+    reqs_ref = [req(f"s{i}", seed=i, **options) for i in range(rows)]
+    for _ in range(3):
+        sorted_rows.clear()
+        fast = Sampler(vocab).sample(logits.clone(), reqs_fast).token_ids
+        assert sorted_rows == [rows - 1]
+        assert fast == Sampler(vocab, fast=False).sample(logits.clone(), reqs_ref).token_ids
+        assert fast[-1] < 64  # the long tie run is kept whole, and drawn from
