@@ -222,6 +222,8 @@ class EngineCore:
         self.scheduler.finish(req, "abort")
         self.sampler.release(req)
         self._request_done(req)
+        if not self.requests:
+            self.runner.release_buffers()
         return RequestOutput(rid, [], finished=True, finish_reason="abort",
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens)
@@ -269,7 +271,11 @@ class EngineCore:
             return scored
         logits = self._process_logits(plan, logits)  # [len(reqs), V], row i for reqs[i]
         sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
-        return scored + self._update(reqs, sampled.token_ids, sampled.logprobs)
+        del logits  # a view of the runner's reused buffer, which an idle engine gives back
+        outputs = scored + self._update(reqs, sampled.token_ids, sampled.logprobs)
+        if not self.requests:
+            self.runner.release_buffers()
+        return outputs
 
     def _finish_scored(self, req: Request) -> RequestOutput:
         """A max_tokens 0 request whose prompt is now computed: it ends at "length" with no token sampled."""

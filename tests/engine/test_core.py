@@ -378,3 +378,28 @@ def test_stats_and_factory(tiny_qwen3_dir):
     assert stats.num_running == 2 and stats.num_waiting == 0 and stats.steps == 1
     assert stats.num_blocks == 32 and stats.num_free_blocks == 32 - 6
     assert stats.kv_cache_usage == pytest.approx(6 / 32)
+
+
+def test_bf16_core_reuses_one_float32_logits_buffer_and_gives_it_back_when_idle(tiny_qwen3_dir, monkeypatch):
+    core = make_core(tiny_qwen3_dir, dtype="bfloat16")
+    runner = core.runner
+    requests = [(f"r{i}", prompt(6 + i, i), greedy(8)) for i in range(3)]
+    fresh, _, _ = run(make_core(tiny_qwen3_dir, dtype="bfloat16"), requests)
+    seen = []
+    execute = runner.execute
+
+    def spy(batch):  # the buffer each step's logits live in (a spy: the real forward runs)
+        logits = execute(batch)
+        seen.append((logits.data_ptr(), runner._logits is not None and logits.data_ptr() == runner._logits.data_ptr()))
+        return logits
+
+    monkeypatch.setattr(runner, "execute", spy)
+    monkeypatch.setattr(runner, "_logits_out", lambda n: None)  # first: fresh float32 logits every step
+    assert run(core, [(f"a{rid}", ids, p) for rid, ids, p in requests])[0] == {f"a{k}": v for k, v in fresh.items()}
+    monkeypatch.undo()
+    monkeypatch.setattr(runner, "execute", spy)
+    seen.clear()
+    out, _, _ = run(core, requests)
+    assert out == fresh  # the same tokens as fresh logits, step after step through one buffer
+    assert all(in_buffer for _, in_buffer in seen) and len({ptr for ptr, _ in seen[1:]}) == 1
+    assert runner._logits is None  # the last request finished: the engine is idle and the buffer is gone

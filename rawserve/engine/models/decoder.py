@@ -300,14 +300,18 @@ class DecoderModel(nn.Module):
             return
         self.embed_tokens.data = torch.empty(self.embed_tokens.shape, dtype=narrow, device=self.embed_tokens.device)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]; into `out` ([N, vocab] float32) when given and the head's
+        own output is narrower (a copy into a reused buffer rather than a fresh float32 tensor)."""
         if self.quant_head is not None:
-            return self.quant_head(hidden).float()
-        if self.packed_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [], "").float()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+            logits = self.quant_head(hidden)
+        elif self.packed_head is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
+        if logits.dtype == torch.float32:
+            return logits
+        return logits.float() if out is None else out.copy_(logits)
 
     def defer_quantized(self, plan: QuantPlan) -> Callable[[torch.Tensor, torch.Tensor], None]:
         """Before loading, with the model still on the meta device: name the matrices `plan` quantizes, and
