@@ -17,6 +17,7 @@ from rawserve.engine.models.decoder import cpu_prepack_supported
 
 _PROBE_ROWS = (1, 32)  # a decode step at one stream and at a busy batch
 _PROBE_BYTES = 24 << 20  # float32 weight bytes cycled through per timing: more than a small VM's L3 share
+_MATRIX_BYTES = 12 << 20  # at most this per probed matrix (float32): a call long enough to time above its overhead
 _MAX_COPIES = 16  # a small model's matrices: enough to leave the caches, few enough to stay well under a second
 _REPS = 4
 
@@ -77,15 +78,26 @@ def _matmul_ms(dtypes: tuple[torch.dtype, ...], out_features: int, in_features: 
     return best
 
 
+def probe_shape(hidden_size: int, intermediate_size: int, vocab_size: int, num_layers: int) -> tuple[int, int]:
+    """The [out, in] matrix to time: the kind that carries most of a decode step's weight bytes (the layers'
+    fused gate/up matrices, or a small model's LM head: 2 layers under a 152k vocabulary read 97% of their bytes
+    in the head, whose 256-wide rows a 1,536 x 256 gate/up matrix says nothing about), its rows cut to
+    _MATRIX_BYTES: a matrix-vector product's speed per byte hardly depends on how many rows it has."""
+    gate_up = (2 * intermediate_size, hidden_size)
+    out_features, in_features = (vocab_size, hidden_size) if vocab_size > num_layers * gate_up[0] else gate_up
+    return min(out_features, max(1, _MATRIX_BYTES // (4 * in_features))), in_features
+
+
 @torch.inference_mode()
-def probe_cpu_dtype(checkpoint_dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> DtypeChoice:
+def probe_cpu_dtype(checkpoint_dtype: torch.dtype, hidden_size: int, intermediate_size: int, vocab_size: int = 0,
+                    num_layers: int = 1) -> DtypeChoice:
     """float32, or bfloat16 for a bf16 checkpoint when bf16 measures faster at both row counts.
 
     A float32 or float16 checkpoint stays float32: bf16 would change its numbers, which auto must not do."""
     if checkpoint_dtype != torch.bfloat16:
         return DtypeChoice(torch.float32, f"the checkpoint is {str(checkpoint_dtype).removeprefix('torch.')}; "
                                           "float32 holds its values exactly")
-    shape = (2 * intermediate_size, hidden_size)  # the fused gate/up matrix: the largest per layer
+    shape = probe_shape(hidden_size, intermediate_size, vocab_size, num_layers)
     timed = _matmul_ms((torch.float32, torch.bfloat16), *shape, _PROBE_ROWS)
     f32, bf16 = timed[torch.float32], timed[torch.bfloat16]
     native = "native bf16" if cpu_has_native_bf16() else "no native bf16 in the CPU flags"

@@ -42,7 +42,7 @@ def resolve_dtype(config: EngineConfig, cfg: ModelConfig, device: torch.device) 
         return DtypeChoice(_DTYPE_NAMES[config.dtype], "--dtype")
     if device.type != "cpu":
         return DtypeChoice(cfg.dtype, f"--dtype auto: the checkpoint's dtype on {device.type}")
-    choice = probe_cpu_dtype(cfg.dtype, cfg.hidden_size, cfg.intermediate_size)
+    choice = probe_cpu_dtype(cfg.dtype, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers)
     return DtypeChoice(choice.dtype, f"--dtype auto: {choice.reason}", choice.timings)
 
 

@@ -166,6 +166,16 @@ def test_dtype_probe_picks_bf16_only_when_faster_at_every_size(monkeypatch, bf16
     assert "256x64 matmul" in choice.reason
 
 
+def test_dtype_probe_times_the_matrix_that_carries_most_weight_bytes():
+    from rawserve.engine.dtype_probe import probe_shape
+
+    # 2 layers under a 152k vocabulary: the head's 256-wide rows, cut to 12 MiB of float32
+    assert probe_shape(256, 768, 151_936, 2) == (12_288, 256)
+    # Qwen3-0.6B: 28 gate/up matrices of 6,144 x 1,024 outweigh the head; cut to 12 MiB as well
+    assert probe_shape(1024, 3072, 151_936, 28) == (3072, 1024)
+    assert probe_shape(64, 128, 0, 1) == (256, 64)  # small enough to time whole
+
+
 def test_max_model_len_beyond_checkpoint_is_refused(tiny_qwen3_dir):
     with pytest.raises(ValueError, match="--max-model-len: 100000 exceeds"):
         ModelRunner(EngineConfig(model_dir=str(tiny_qwen3_dir), device="cpu", max_model_len=100000))
