@@ -71,6 +71,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset(), on_filled)
     if quant is not None:
         model.finish_quantized(quant)
+    for layer in model.layers:
+        layer.fuse_qk_norm()
     if prepack:
         model.prepack()
     return model.eval()

@@ -46,7 +46,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    out = torch.empty_like(q)
+    num_decodes = meta.decode_token_ids.numel()
+    # A step of decodes only (every token is decode i's, in order) needs no output to scatter into: at one row
+    # the scatter, the gather of q and the empty output are three of a layer's few dozen small ops.
+    decode_only = num_decodes == num_tokens
+    out = None if decode_only else torch.empty_like(q)
     block_size = meta.block_size
     starts = meta.query_start_loc_cpu
 
@@ -70,7 +74,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cols <= rows, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
 
-    num_decodes = meta.decode_token_ids.numel()
     if num_decodes:
         token_ids, max_len = meta.decode_token_ids, meta.max_decode_len
         # [B * max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D] as a strided view (no copy)
@@ -80,10 +83,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # one mask row for all of them. No K/V expansion to every query head, and a query tile of `group` rows
         # rather than one: CPU SDPA's one-row path is slow, in bf16 2-10x slower than in float32 (torch 2.13).
         group = num_heads // num_kv_heads
-        qd = q[token_ids].view(num_decodes, num_kv_heads, group, head_dim)
+        qd = (q if decode_only else q[token_ids]).reshape(num_decodes, num_kv_heads, group, head_dim)
         if group == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
             qd, k, v = qd.float(), k.float(), v.float()  # one row per head: float32 on the copies gathered anyway
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
-        out[token_ids] = o.reshape(num_decodes, num_heads, head_dim).to(out.dtype)
+        o = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
+        if decode_only:
+            return o
+        out[token_ids] = o
     return out
