@@ -180,12 +180,13 @@ class DecoderLayer(nn.Module):
         # q and k side by side as one [T, heads + kv_heads, D] view: their norm and rotation run once, not twice
         # (at one row a decode step is a few hundred such small ops, each costing more than its arithmetic).
         heads = cfg.num_heads
-        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads + cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=1)  # one call, not two slices
+        qk = qk.view(num_tokens, heads + cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             qk = rms_norm(qk, None, eps).mul_(self.qk_norm)
         qk = apply_rope(qk, cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
+        q, k = qk.split((heads, cfg.num_kv_heads), dim=1)
         k_cache, v_cache = kv_cache
         self.attention.write_kv(k, v.contiguous(), k_cache, v_cache, meta.slot_mapping)
         attn = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
@@ -193,8 +194,8 @@ class DecoderLayer(nn.Module):
         residual = residual + h
         h = rms_norm(residual, self.post_attention_layernorm, eps)
         gate_up = self.linear(h, "gate_up_proj", lora=lora)  # [T, 2 I]
-        inter = cfg.intermediate_size
-        h = self.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], "down_proj", lora=lora)
+        gate, up = gate_up.chunk(2, dim=1)
+        h = self.linear(F.silu(gate) * up, "down_proj", lora=lora)
         return h, residual
 
 
