@@ -25,6 +25,7 @@ from rawserve.engine.rules import check_request
 from rawserve.engine.sampler import Sampler, token_logprobs
 from rawserve.engine.scheduler import Scheduler
 from rawserve.engine.step_plan import PromptSpan, StepPlan
+from rawserve.engine.thread_governor import ThreadGovernor
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
 from rawserve.process_stats import release_free_heap
 
@@ -41,6 +42,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.threads: ThreadPlan | None = None  # set by make_engine_core, which sized torch's threads
+        self.governor: ThreadGovernor | None = None  # make_engine_core's, for an auto-sized CPU engine
         self.runner = runner if runner is not None else ModelRunner(config)
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
@@ -254,6 +256,8 @@ class EngineCore:
         request in the middle of its prompt outputs nothing until the chunk that finishes it."""
         scheduled = self.scheduler.schedule()
         self.steps += 1
+        if self.governor is not None:
+            self.governor.tick()
         if not scheduled:
             return []
         lora_slots = self.scheduler.lora_slots
@@ -399,4 +403,6 @@ def make_engine_core(config: EngineConfig, threads: ThreadPlan | None = None) ->
     log.info("engine threads: %d (%s)", threads.num_threads, threads.reason)
     core = EngineCore(config)
     core.threads = threads
+    if threads.adaptive and core.runner.device.type == "cpu":
+        core.governor = ThreadGovernor(threads.num_threads, torch.set_num_threads)
     return core

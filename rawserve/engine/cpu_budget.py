@@ -44,6 +44,7 @@ class ThreadPlan:
     num_threads: int
     reason: str
     env: dict[str, str] = field(default_factory=dict)
+    adaptive: bool = False  # auto sized it: a ThreadGovernor may lower it while other processes take CPUs
 
 
 def _read(path: pathlib.Path) -> str | None:
@@ -145,7 +146,10 @@ def plan_threads(setting: int | str, environ: Mapping[str, str] | None = None,
         env["KMP_BLOCKTIME"] = OMP_DEFAULTS["KMP_BLOCKTIME"]
     waits = ", ".join(f"{name}={environ[name]}" for name in _WAIT_VARS if name in environ)
     reason += f"; OpenMP waits {'as the environment says (' + waits + ')' if waits else 'by a short spin'}"
-    return ThreadPlan(count, reason, env)
+    adaptive = setting == "auto" and user_count is None and count > 1
+    if adaptive:
+        reason += "; fewer while other processes keep CPUs busy"
+    return ThreadPlan(count, reason, env, adaptive)
 
 
 def export_environment(env: Mapping[str, str]) -> dict[str, str | None]:
