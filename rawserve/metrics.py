@@ -87,6 +87,8 @@ SPECS: dict[str, MetricSpec] = {
     "kv_cache_bytes": MetricSpec("gauge", "Bytes of the KV cache pool (reserved; pages are committed as blocks are "
                                           "first used).", vllm=False),
     "kv_cache_capacity_tokens": MetricSpec("gauge", "Tokens the KV cache pool holds.", vllm=False),
+    "engine_threads": MetricSpec("gauge", "The engine core's intra-op (OpenMP) threads now: fewer while other "
+                                          "processes keep CPUs busy (auto on a CPU); 0 when not reported.", vllm=False),
 }
 CACHE_CONFIG_INFO = "cache_config_info"  # a gauge fixed at 1, its value in labels (vLLM's Info emulation)
 

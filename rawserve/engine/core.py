@@ -237,7 +237,13 @@ class EngineCore:
             kv_cache_usage=blocks.usage, num_free_blocks=blocks.num_free_blocks, num_blocks=blocks.num_blocks,
             prefix_cache_queries=blocks.prefix_cache_queries, prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
+            num_threads=self._num_threads(),
             extra=self._lora_stats() if self.scheduler.lora_slots is not None else {})
+
+    def _num_threads(self) -> int:
+        if self.governor is not None:
+            return self.governor.threads
+        return self.threads.num_threads if self.threads is not None else 0
 
     def _lora_stats(self) -> dict:
         """lora_requests_info's labels, as vLLM exposes them: adapters with running and with waiting requests."""

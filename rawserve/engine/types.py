@@ -171,4 +171,5 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
     steps: int = 0
+    num_threads: int = 0  # the engine's intra-op threads now (0: not a CPU engine, or not reported)
     extra: dict = field(default_factory=dict)

@@ -121,7 +121,8 @@ def test_per_request_histograms_count_the_completion_and_both_namespaces_agree(p
     rawserve_only = {n for n in got if n.startswith("rawserve:")} - {"rawserve:" + n for n in VLLM}
     # rawserve's own memory families (the KV pool; the core process's RSS and CPU when it runs apart)
     memory = {"rawserve:kv_cache_bytes", "rawserve:kv_cache_capacity_tokens"}
-    core = {"rawserve:engine_core_resident_memory_bytes", "rawserve:engine_core_cpu_seconds"}
+    core = {"rawserve:engine_core_resident_memory_bytes", "rawserve:engine_core_cpu_seconds",
+            "rawserve:engine_threads"}
     assert memory <= rawserve_only and rawserve_only - memory - core == {"rawserve:requests_in_flight",
                                                                           "rawserve:cache_config_info"}
     vllm_samples = {(s.name[len("vllm:"):], tuple(sorted((k, v) for k, v in s.labels.items() if k != "engine")),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import re
+import sys
 
 import pytest
 
@@ -138,4 +140,34 @@ async def test_spawned_core_runs_on_its_plan_and_sleeps_when_idle(tiny_qwen3_dir
         assert share < 0.2, f"an idle engine core was runnable in {share:.0%} of samples"
         assert cpu_seconds(pid) - used < 0.1, "an idle engine core used CPU"
     finally:
+        await llm.stop(2)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2 or "OMP_NUM_THREADS" in os.environ,
+                    reason="sized for auto's two threads on two CPUs")
+async def test_spawned_core_drops_to_one_thread_beside_two_busy_processes(tiny_qwen3_dir):
+    config = EngineConfig(model_dir=str(tiny_qwen3_dir), device="cpu", max_model_len=512, num_kv_blocks=64)
+    llm = AsyncLLM(CoreFactory(config), byte_tokenizer(), mode="process")
+    await llm.start()
+    busy = [await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass") for _ in range(2)]
+    try:
+        assert llm.info["num_threads"] == 2 and "fewer while other processes" in llm.info["threads_reason"]
+        seen = set()
+
+        async def watch() -> None:
+            while True:
+                seen.add(re.search(r"^rawserve:engine_threads\{[^}]*\} (\d+)", llm.render_metrics(), re.M).group(1))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        outs = await collect(llm.generate([1, 2, 3], params))
+        await asyncio.sleep(1.2)  # the heartbeat's stats after the last step
+        watcher.cancel()
+        assert outs[-1].finish_reason == "length"
+        assert "1" in seen, f"engine threads seen beside two busy processes: {sorted(seen)}"
+    finally:
+        for proc in busy:
+            proc.kill()
+            await proc.wait()
         await llm.stop(2)

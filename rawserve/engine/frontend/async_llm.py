@@ -122,7 +122,8 @@ class AsyncLLM:
         page = self.metrics.render({
             "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
             "kv_cache_usage_perc": stats.kv_cache_usage, "requests_in_flight": len(self._states),
-            "kv_cache_bytes": capacity.get("bytes", 0), "kv_cache_capacity_tokens": capacity.get("tokens", 0)})
+            "kv_cache_bytes": capacity.get("bytes", 0), "kv_cache_capacity_tokens": capacity.get("tokens", 0),
+            "engine_threads": stats.num_threads})
         lora = stats.extra.get("lora")
         if lora is not None:
             page += self.metrics.render_lora_info(lora["max_lora"], lora["running"], lora["waiting"], time.time())
