@@ -88,7 +88,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qd, k, v = qd.float(), k.float(), v.float()  # one row per head: float32 on the copies gathered anyway
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
-        o = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
+        o = o.reshape(num_decodes, num_heads, head_dim)
+        if o.dtype != q.dtype:  # the float32 upcast above
+            o = o.to(q.dtype)
         if decode_only:
             return o
         out[token_ids] = o

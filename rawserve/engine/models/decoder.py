@@ -84,6 +84,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Half-split (neox) rotation as HF does, in float32. x: [T, H, D]; cos: [T, 1, D] (the half table twice);
     sin: [T, 1, D] (-sin, then sin), so that x * cos + roll(x) * sin is (x1 cos - x2 sin, x2 cos + x1 sin)
     exactly, in four ops."""
+    if x.dtype == torch.float32:  # no cast calls at all (at one decode row each is a dispatch)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
     x32 = x.float()
     return (x32 * cos + x32.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
