@@ -353,9 +353,14 @@ class ModelRunner:
         else:
             decode_ids = torch.tensor(decode_seq, dtype=torch.int64)
             decode_blocks = tables[decode_ids, :-(-max_decode_len // bs)].flatten()
-            decode_mask = (torch.arange(max_decode_len).unsqueeze(0)
-                           < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None]
-            meta.decode_blocks, meta.decode_mask = decode_blocks.to(dev), decode_mask.to(dev)
+            meta.decode_blocks = decode_blocks.to(dev)
+            if len(decode_seq) == 1:  # one sequence sees its whole context: no mask
+                used = inputs[decode_seq[0]].block_table[:decode_blocks.numel()]
+                if used == list(range(used[0], used[0] + len(used))):  # consecutive blocks: a view, not a gather
+                    meta.decode_block_run = used[0]
+            else:
+                meta.decode_mask = (torch.arange(max_decode_len).unsqueeze(0)
+                                    < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None].to(dev)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(batch.logit_indices, dtype=torch.int64, device=dev))

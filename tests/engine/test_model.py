@@ -165,3 +165,21 @@ def test_bf16_tied_checkpoint_in_float32_keeps_its_embedding_narrow_and_matches_
     ids = prompt_ids(17, seed=4)
     ours = prefill_in_chunks(runner, ids, blocks_for(17), [17])
     torch.testing.assert_close(ours, hf_logits(load_hf_model(path, "float32"), ids), atol=1e-4, rtol=1e-4)
+
+
+def test_single_decode_reads_consecutive_blocks_in_place_and_matches_a_gather(tiny_qwen3_dir):
+    ids = prompt_ids(9, seed=3)
+    logits = {}
+    for kind, table in (("gathered", blocks_for(9 + 12)), ("in place", list(range(7, 7 + -(-(9 + 12) // BLOCK))))):
+        runner = make_runner(tiny_qwen3_dir)
+        step = runner.execute(ForwardBatch.last_tokens([StepInput(ids, 0, table)]))
+        out, token = [], int(step[-1].argmax())
+        for i in range(12):
+            batch = ForwardBatch.last_tokens([StepInput([token], len(ids) + i, table)])
+            meta = runner._metadata(batch)[2]
+            assert (meta.decode_block_run is not None) == (kind == "in place") and meta.decode_mask is None
+            step = runner.execute(batch)
+            out.append(step[-1])
+            token = int(step[-1].argmax())
+        logits[kind] = torch.stack(out)
+    torch.testing.assert_close(logits["in place"], logits["gathered"], atol=1e-5, rtol=1e-5)

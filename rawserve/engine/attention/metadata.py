@@ -40,6 +40,8 @@ class AttentionMetadata:
     # Torch backend: the decodes' block list and mask, built once per step here, not again in each layer.
     decode_blocks: torch.Tensor | None = None  # [num_decodes * ceil(max_decode_len / block_size)] int64 block ids
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] bool: slot < the sequence's length
+    # (None for a single decode, which sees every slot up to max_decode_len)
+    decode_block_run: int | None = None  # a single decode whose blocks are consecutive: the first (read as a view)
     # Triton backend: the same selections as device index tensors, and the grid sizes (host ints).
     decode_seq_ids: torch.Tensor | None = None  # [num_decodes] int64: each decode's sequence
     prefill_seqs: torch.Tensor | None = None  # [num_prefills] int64: prefill_seq_ids on the device

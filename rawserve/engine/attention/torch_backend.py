@@ -76,9 +76,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     if num_decodes:
         token_ids, max_len = meta.decode_token_ids, meta.max_decode_len
-        # [B * max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D] as a strided view (no copy)
-        k = gather_blocks(k_cache, meta.decode_blocks).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
-        v = gather_blocks(v_cache, meta.decode_blocks).view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
+        # [B * max_blocks, block_size, kv_heads, D] -> [B, L, kv_heads, D] as a strided view (no copy)
+        if meta.decode_block_run is not None:  # one sequence on consecutive blocks: read them in place
+            first, count = meta.decode_block_run, meta.decode_blocks.numel()
+            k, v = k_cache[first:first + count], v_cache[first:first + count]
+        else:
+            k, v = gather_blocks(k_cache, meta.decode_blocks), gather_blocks(v_cache, meta.decode_blocks)
+        k = k.view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
+        v = v.view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
         # GQA folded into query rows: each KV head's `group` query heads are its queries [B, kv_heads, group, D],
         # one mask row for all of them. No K/V expansion to every query head, and a query tile of `group` rows
         # rather than one: CPU SDPA's one-row path is slow, in bf16 2-10x slower than in float32 (torch 2.13).
