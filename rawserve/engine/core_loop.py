@@ -16,7 +16,7 @@ from typing import Any
 from rawserve.engine.ipc import Receiver, Sender
 from rawserve.engine.launch import describe_core
 from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
-from rawserve.process_stats import release_free_heap
+from rawserve.process_stats import HeapRelease
 
 log = logging.getLogger("rawserve.engine.core_loop")
 
@@ -24,11 +24,6 @@ STATS_INTERVAL_S = 0.25
 # An idle loop wakes this often: to send its heartbeat, and (a spawned child) to check its parent still exists.
 _IDLE_POLL_S = HEARTBEAT_INTERVAL_S
 _LORA_POLL_S = 0.005  # an idle core checks this often whether an adapter read has finished
-# A core idle this long after a burst hands its free heap back (release_free_heap), at most once per
-# _HEAP_RELEASE_MIN_GAP_S: a step's transients (prefill activations, vocabulary-sized sampler rows) stay in
-# glibc's heap after they are freed, so without it the process holds its burst's peak for good.
-HEAP_RELEASE_IDLE_S = 0.5
-_HEAP_RELEASE_MIN_GAP_S = 2.0
 
 
 class _FrontendGone(Exception):
@@ -115,34 +110,13 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
             pass
 
 
-class _HeapRelease:
-    """When to hand the heap back: once per idle spell that follows steps, after HEAP_RELEASE_IDLE_S of it,
-    and no sooner than _HEAP_RELEASE_MIN_GAP_S after the last time (a few ms each, never between steps)."""
-
-    def __init__(self) -> None:
-        self.due: float | None = None
-        self.last = float("-inf")
-
-    def went_idle(self, now: float) -> None:
-        self.due = max(now + HEAP_RELEASE_IDLE_S, self.last + _HEAP_RELEASE_MIN_GAP_S)
-
-    def wait_s(self, now: float, poll_s: float) -> float:
-        """How long an idle loop may block before the release falls due."""
-        return poll_s if self.due is None else max(0.0, min(poll_s, self.due - now))
-
-    def run_if_due(self, now: float) -> None:
-        if self.due is not None and now >= self.due:
-            release_free_heap()
-            self.due, self.last = None, time.monotonic()
-
-
 def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float) -> None:
     # In a spawned child, a parent killed by SIGKILL never closes our input; poll for it when idle.
     parent = multiprocessing.parent_process()
     was_busy = False
     last_stats = last_sent = time.monotonic()
     lora_reads: list[tuple[int, str, Future]] = []  # (token, name, read) of adapters being read off this thread
-    heap = _HeapRelease()
+    heap = HeapRelease()  # an idle core hands back what its steps freed
     while True:
         is_busy = core.has_unfinished
         if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
@@ -151,7 +125,7 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
             heap.went_idle(last_sent)
         was_busy = is_busy
         if is_busy:
-            heap.due = None  # busy again before it fell due: the next idle spell schedules it
+            heap.went_busy()
         else:
             heap.run_if_due(time.monotonic())
         try:
