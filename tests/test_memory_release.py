@@ -76,7 +76,7 @@ def test_a_spawned_core_gives_a_burst_back_and_runs_no_resource_tracker(tmp_path
         assert peak - idle > 40 * 1024  # the burst's steps did hold vocabulary-sized rows and activations
         # What the steps freed goes back to the kernel (without the release the core stays at `end` for good). The
         # rest above idle is in use, not free: ~40 MiB of heap that the first burst allocates and later ones reuse.
-        assert end - after > 10 * 1024, (idle, peak, end, after)
+        assert end - after > 8 * 1024, (idle, peak, end, after)
         assert children(server.proc.pid).keys() == {core}
 
 

@@ -21,6 +21,7 @@ from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
+from rawserve.process_stats import release_free_heap
 
 log = logging.getLogger("rawserve.engine")
 
@@ -131,6 +132,16 @@ def _is_linear(name: str) -> bool:
         ".up_proj.weight", ".down_proj.weight"))
 
 
+def sampler_worst_case(logits: torch.Tensor) -> None:
+    """The sampler's working memory over `logits` [rows, vocab] as the profile step models it: every row's logprobs
+    (a raw copy and a log-softmax of each) held through a sort of ROW_CHUNK rows (values and int64 ids, beside their
+    softmax). A model, not the Sampler: bench.step_memory sets it beside the real Sampler's request mixes, which
+    take more at a large vocabulary (penalties, logprobs and a whole-vocabulary sort on every row)."""
+    raw, logprobs = logits.clone(), logits.log_softmax(-1)
+    torch.sort(logits[:ROW_CHUNK].softmax(-1), dim=-1, descending=True)
+    del raw, logprobs
+
+
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
     """Refuse a triton backend that cannot run here, before any weight is read."""
     if config.attention_backend != "triton":
@@ -231,28 +242,21 @@ class ModelRunner:
                              f"and {memory.mib(room.available_bytes)} is left under the {room.source}")
 
     def _step_bytes_estimate(self) -> int:
-        """A worst-case step's working memory from the shapes (what _profile_step then measures): the activations
-        of --max-num-batched-tokens tokens, then float32 logits of --max-num-seqs rows and the sampler's worst case
-        over them (every row asking for logprobs: a raw copy of each beside the logits throughout; first a sort of
-        ROW_CHUNK rows, the chunk, its values and int64 ids; then a log-softmax of every row and its rank mask).
-        The activations count beside the sampler: what they free stays in the heap, a step's later tensors do not
-        all reuse it."""
+        """A worst-case step's working memory from the shapes (what _profile_step then measures): float32 logits
+        of --max-num-seqs rows, the sampler's worst case over them (every row asking for logprobs: a raw copy and
+        a log-softmax of each; a sort of ROW_CHUNK rows, values and int64 ids, beside their softmax), and the
+        activations of --max-num-batched-tokens tokens."""
         cfg = self.model_config
         num_tokens = self.config.max_num_batched_tokens
         rows = min(self.config.max_num_seqs, num_tokens)
         width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        sampler = 2 * rows * cfg.vocab_size + max(4 * ROW_CHUNK * cfg.vocab_size, rows * cfg.vocab_size * 5 // 4)
-        return 4 * (sampler + num_tokens * width)
+        return 4 * (3 * rows * cfg.vocab_size + 4 * ROW_CHUNK * cfg.vocab_size + num_tokens * width)
 
     def _profile_step(self) -> int:
         """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens
         tokens with --max-num-seqs logit rows, and the sampler's worst case over them (see _step_bytes_estimate),
         measured as the rise of this process's peak RSS. Runs against a one-block KV pool every slot maps to (the
-        values are garbage).
-
-        The sampler's phases run in Sampler.sample's order, each one's temporaries freed before the next as
-        there: holding the log-softmax through the sort would count 20 MiB (32 rows of a 152k vocabulary) that
-        no real step holds, and the cap would give that much less to the KV pool."""
+        values are garbage)."""
         cfg, bs = self.model_config, self.block_size
         num_tokens = self.config.max_num_batched_tokens
         seqs, left = [], num_tokens
@@ -268,13 +272,11 @@ class ModelRunner:
         memory.reset_peak_rss()
         before = memory.rss_bytes()
         logits = self.execute(batch)
-        raw = logits.clone()  # the logprob rows as they came, kept while processors change the logits in place
-        torch.sort(logits[:ROW_CHUNK].clone(), dim=-1, descending=True)  # _sample_sorted's chunk, values and ids
-        logprobs = raw.log_softmax(-1)  # _logprobs, then token_logprobs' rank mask beside it
-        ranks = logprobs > logprobs[:, :1]
+        sampler_worst_case(logits)
         margin = max(0, memory.rss_bytes("VmHWM") - before)
-        del logits, raw, logprobs, ranks
+        del logits
         self.kv_caches = []
+        release_free_heap()  # what the step freed, before the cgroup's usage is read for the cap
         return margin
 
     def _plan(self, room: memory.Headroom | None, margin: int) -> memory.KVPlan:
