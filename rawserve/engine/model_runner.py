@@ -276,6 +276,7 @@ class ModelRunner:
         margin = max(0, memory.rss_bytes("VmHWM") - before)
         del logits
         self.kv_caches = []
+        self.release_buffers()  # an idle engine holds no logits buffer
         release_free_heap()  # what the step freed, before the cgroup's usage is read for the cap
         return margin
 
