@@ -1,16 +1,23 @@
-"""Memory a burst leaves behind: a spawned core hands its heap back once it goes idle, and starts no helper process."""
+"""Memory a burst leaves behind: a spawned core and the server hand their heap back once idle (HeapRelease), and a
+process core starts no helper process (launch.spawn_context)."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
-import sys
 import pathlib
+import sys
 import time
 
 import pytest
 
+from rawserve.config import EngineConfig
+from rawserve.engine.core import make_engine_core
+from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.ipc import make_channel
 from rawserve.engine.launch import spawn_context
 from rawserve.engine.messages import MsgKind
+from rawserve.engine.types import SamplingParams
 from rawserve.process_stats import HeapRelease
 from tests.test_memory import burst, container_checkpoint
 
@@ -124,3 +131,29 @@ def test_a_child_spawned_without_the_resource_tracker_talks_over_either_transpor
         if transport == "queue":  # stop the feeder thread this test started
             in_tx._q.close()
             in_tx._q.join_thread()
+
+
+async def test_the_server_side_releases_once_the_last_stream_is_done(tiny_qwen3_dir):
+    from tests.engine.test_async_llm import byte_tokenizer
+
+    config = EngineConfig(model_dir=str(tiny_qwen3_dir), device="cpu", max_model_len=128, num_kv_blocks=16)
+    llm = AsyncLLM(functools.partial(make_engine_core, config), byte_tokenizer())
+    await llm.start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        streams = [llm.generate([5, 6, 7], params) for _ in range(3)]
+        await asyncio.gather(*[_drain(s) for s in streams[:2]])
+        assert llm._heap.due is None  # one stream still runs: nothing falls due
+        await _drain(streams[2])
+        assert llm._heap.due is not None
+        deadline = time.monotonic() + 5
+        while llm._heap.due is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert llm._heap.due is None and llm._heap.last > float("-inf")  # it ran, half a second into the idle
+    finally:
+        await llm.stop(0.5)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
