@@ -2,7 +2,10 @@
 for rawserve and llama.cpp's llama-server on the same checkpoint, in one run.
 
 python -m bench.memory [--models tiny,0.6b] [--dtypes float32,bfloat16] [--streams 32] [--ctx 256] [-- FLAGS]
-One JSON line per (server, model, dtype). Both servers get the same context capacity: --streams sequences of
+One JSON line per (server, model, dtype), RSS sums beside PSS sums (what a cgroup charges: a page shared by two
+processes counts once), and a `floor` line per (model, dtype): what torch and the tokenizer cost before any serving
+(the RSS of a bare `import torch` process and of a process holding the tokenizer alone) beside the weights and KV
+pool at that dtype. Both servers get the same context capacity: --streams sequences of
 --ctx tokens (rawserve: --max-num-seqs/--max-model-len; llama-server: -np/-c streams*ctx). Checkpoints and GGUFs
 come from ../shared/peers (`run.sh setup`, $PEERS_ROOT); without them rawserve runs alone on bench/checkpoints'
 random checkpoints of the same shapes, and the llama-server line says why it is missing.
@@ -47,9 +50,10 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def status_kib(pid: int, field: str) -> int:
+def status_kib(pid: int, field: str, source: str = "status") -> int:
+    """A `field` (kB) of /proc/<pid>/status (VmRSS, VmHWM) or, with source "smaps_rollup", of that (Pss)."""
     try:
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in pathlib.Path(f"/proc/{pid}/{source}").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
@@ -58,12 +62,12 @@ def status_kib(pid: int, field: str) -> int:
 
 
 class RssSampler:
-    """Samples the summed VmRSS of a process tree every 20 ms; `peak_mib` is the largest sum seen (what a
-    container limit meets), `now_mib` one reading."""
+    """Samples the summed VmRSS and Pss of a process tree every 20 ms; `peak_kib` and `peak_pss_kib` are the largest
+    sums seen (the PSS one is what a container limit meets), `now_kib` one reading."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.peak_kib = 0
+        self.peak_kib = self.peak_pss_kib = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -71,22 +75,27 @@ class RssSampler:
     def now_kib(self) -> int:
         return sum(status_kib(p, "VmRSS") for p in descendants(self.pid))
 
-    def per_process_mib(self) -> dict[str, float]:
+    def now_pss_kib(self) -> int:
+        return sum(status_kib(p, "Pss", "smaps_rollup") for p in descendants(self.pid))
+
+    def per_process_mib(self, field: str = "VmRSS") -> dict[str, float]:
+        """{pid and command: `field`} of each process: VmRSS now, or VmHWM, its own peak so far."""
         out = {}
         for p in descendants(self.pid):
             try:
                 name = pathlib.Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:60]
             except OSError:
                 continue
-            out[f"{p} {name.strip()}"] = round(status_kib(p, "VmRSS") / 1024, 1)
+            out[f"{p} {name.strip()}"] = round(status_kib(p, field) / 1024, 1)
         return out
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             self.peak_kib = max(self.peak_kib, self.now_kib())
+            self.peak_pss_kib = max(self.peak_pss_kib, self.now_pss_kib())
 
     def reset_peak(self) -> None:
-        self.peak_kib = self.now_kib()
+        self.peak_kib, self.peak_pss_kib = self.now_kib(), self.now_pss_kib()
 
     def stop(self) -> None:
         self._stop.set()
@@ -165,6 +174,7 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
         wait_healthy(port, proc, "/ready" if label == "rawserve" else "/health")
         out["startup_s"] = round(time.monotonic() - t0, 1)
         out["startup_peak_mib"] = round(sampler.peak_kib / 1024, 1)
+        out["startup_peak_pss_mib"] = round(sampler.peak_pss_kib / 1024, 1)
         try:  # rawserve says its KV pool's bytes; llama-server has no such field
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             conn.request("GET", "/v1/models")
@@ -175,16 +185,22 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
             pass
         time.sleep(2)
         out["idle_mib"] = round(sampler.now_kib() / 1024, 1)
+        out["idle_pss_mib"] = round(sampler.now_pss_kib() / 1024, 1)
         out["idle_per_process_mib"] = sampler.per_process_mib()
+        out["startup_peak_per_process_mib"] = sampler.per_process_mib("VmHWM")
         sampler.reset_peak()
         t0 = time.monotonic()
         errors = load(port, model, args.streams, args.prompt_words, args.max_tokens)
         out["load_s"] = round(time.monotonic() - t0, 1)
         out["load_errors"] = errors[:3]
         out["load_peak_mib"] = round(sampler.peak_kib / 1024, 1)
+        out["load_peak_pss_mib"] = round(sampler.peak_pss_kib / 1024, 1)
         time.sleep(2)
         out["idle_after_mib"] = round(sampler.now_kib() / 1024, 1)
+        out["idle_after_pss_mib"] = round(sampler.now_pss_kib() / 1024, 1)
+        out["idle_after_per_process_mib"] = sampler.per_process_mib()
         out["peak_mib"] = max(out["startup_peak_mib"], out["load_peak_mib"])
+        out["peak_pss_mib"] = max(out["startup_peak_pss_mib"], out["load_peak_pss_mib"])
         summary = [line.decode(errors="replace").strip() for line in stderr if b" serving '" in line]
         if summary:
             out["kv_cache"] = summary[-1].partition("KV cache ")[2].partition(", engine in")[0]
@@ -201,19 +217,52 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
     return out
 
 
-WEIGHT_BYTES: dict[pathlib.Path, int] = {}  # checkpoint directory -> bytes per element on disk
-
-
 def checkpoint(model: str, dtype: str) -> tuple[pathlib.Path, pathlib.Path | None]:
     """(HF checkpoint directory, GGUF file or None): the peers' pair when set up, else our own checkpoint."""
     peers_dir = PEERS_ROOT / "models" / f"qwen3-{model}-random"
     gguf = PEERS_ROOT / "gguf" / f"qwen3-{model}-random-{GGUF_TYPES[dtype]}.gguf"
     if (peers_dir / "model.safetensors").is_file() and (peers_dir / "tokenizer.json").is_file():
-        WEIGHT_BYTES[peers_dir] = 2  # make_checkpoint.py writes bf16
         return peers_dir, gguf if gguf.is_file() else None
-    own = ensure_qwen3_06b_shape(dtype, shape=model)
-    WEIGHT_BYTES[own] = 4 if dtype == "float32" else 2
-    return own, None
+    return ensure_qwen3_06b_shape(dtype, shape=model), None
+
+
+def weight_mib(model_dir: pathlib.Path, dtype: str) -> float:
+    """The checkpoint's floating-point weights once at `dtype` (whatever dtype the files hold), from their headers."""
+    itemsize = 4 if dtype == "float32" else 2
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+    elements = 0
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        elements += sum((entry["data_offsets"][1] - entry["data_offsets"][0]) // sizes[entry["dtype"]]
+                        for name, entry in header.items() if name != "__metadata__" and entry["dtype"] in sizes)
+    return round(elements * itemsize / MIB, 1)
+
+
+_RSS_PROBE = ("import gc, pathlib, sys; {setup}; gc.collect(); "
+              "print(next(l.split()[1] for l in pathlib.Path('/proc/self/status').read_text().splitlines() "
+              "if l.startswith('VmRSS:')))")
+
+
+def probe_rss_mib(setup: str) -> float:
+    """The RSS of a fresh interpreter once it has run `setup`."""
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE.format(setup=setup)], capture_output=True, text=True,
+                         check=True, timeout=300)
+    return round(int(out.stdout.split()[-1]) / 1024, 1)
+
+
+def floor(model_dir: pathlib.Path, weights: float, kv: float | None) -> dict:
+    """What the two processes cannot go below: the core's torch and the API's tokenizer, each in a process of its
+    own with nothing else, and the weights and KV pool at the served dtype."""
+    torch_mib = probe_rss_mib("import torch")
+    tokenizer_mib = probe_rss_mib("from rawserve.text.tokenizer import Tokenizer; "
+                                  f"t = Tokenizer.from_dir({str(model_dir)!r})")
+    out = {"bench": "memory", "server": "floor", "python_mib": probe_rss_mib("pass"), "import_torch_mib": torch_mib,
+           "tokenizer_process_mib": tokenizer_mib, "weight_mib": weights}
+    if kv is not None:
+        out["kv_mib"] = kv
+        out["floor_mib"] = round(torch_mib + tokenizer_mib + weights + kv, 1)
+    return out
 
 
 def main() -> None:
@@ -232,7 +281,7 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             model_dir, gguf = checkpoint(model, dtype)
             common = {"model": model, "dtype": dtype, "streams": args.streams, "ctx_tokens": args.streams * args.ctx,
-                      "weight_mib": round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / MIB, 1),
+                      "weight_mib": weight_mib(model_dir, dtype),
                       "rev": rev()}
             port = free_port()
             cmd = [sys.executable, "-m", "rawserve", "serve", str(model_dir), "--port", str(port), "--dtype", dtype,
@@ -240,10 +289,10 @@ def main() -> None:
                    str(args.ctx), "--engine-mode", "process", "--no-log-requests", *args.flags]
             ours = measure("rawserve", cmd, port, model, args)
             # The idle target: the weights once at the served dtype, the KV pool, and 150 MB.
-            weights = common["weight_mib"] * (4 if dtype == "float32" else 2) / WEIGHT_BYTES.get(model_dir, 2)
             if "idle_mib" in ours and "kv_mib" in ours:
-                ours["idle_target_mib"] = round(weights + ours["kv_mib"] + 150e6 / MIB, 1)
+                ours["idle_target_mib"] = round(common["weight_mib"] + ours["kv_mib"] + 150e6 / MIB, 1)
             print(json.dumps({**common, **ours}), flush=True)
+            print(json.dumps({**common, **floor(model_dir, common["weight_mib"], ours.get("kv_mib"))}), flush=True)
             if args.no_peer:
                 continue
             if gguf is None or not LLAMA_SERVER.is_file():

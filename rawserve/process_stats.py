@@ -30,6 +30,39 @@ def release_free_heap() -> bool:
     return True
 
 
+class HeapRelease:
+    """When to call release_free_heap: once per idle spell that follows work, `idle_s` into it, and no sooner than
+    `min_gap_s` after the last call. A burst's transients (a step's activations and vocabulary-sized rows in the
+    core, request and stream buffers in the server) stay in glibc's heap once freed, so without it a process holds
+    its burst's peak for good; a trim costs a few ms, so never between steps or for an idle spell a request ends
+    at once. Times are time.monotonic()'s."""
+
+    def __init__(self, idle_s: float = 0.5, min_gap_s: float = 2.0) -> None:
+        self.idle_s, self.min_gap_s = idle_s, min_gap_s
+        self.due: float | None = None
+        self.last = float("-inf")
+
+    def went_idle(self, now: float) -> float:
+        """The work is done: schedule the release; returns the seconds until it is due."""
+        self.due = max(now + self.idle_s, self.last + self.min_gap_s)
+        return self.due - now
+
+    def went_busy(self) -> None:
+        self.due = None  # the next idle spell schedules it again
+
+    def wait_s(self, now: float, poll_s: float) -> float:
+        """How long an idle loop may block before the release falls due."""
+        return poll_s if self.due is None else max(0.0, min(poll_s, self.due - now))
+
+    def run_if_due(self, now: float) -> bool:
+        """Release when due (then True); otherwise nothing. A timer set for `due` may fire a clock tick early."""
+        if self.due is None or now < self.due - 0.01:
+            return False
+        release_free_heap()
+        self.due, self.last = None, now
+        return True
+
+
 def _boot_time_s() -> float | None:
     try:
         for line in pathlib.Path("/proc/stat").read_text().splitlines():

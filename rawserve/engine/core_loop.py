@@ -16,6 +16,7 @@ from typing import Any
 from rawserve.engine.ipc import Receiver, Sender
 from rawserve.engine.launch import describe_core
 from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
+from rawserve.process_stats import HeapRelease
 
 log = logging.getLogger("rawserve.engine.core_loop")
 
@@ -115,14 +116,21 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
     was_busy = False
     last_stats = last_sent = time.monotonic()
     lora_reads: list[tuple[int, str, Future]] = []  # (token, name, read) of adapters being read off this thread
+    heap = HeapRelease()  # an idle core hands back what its steps freed
     while True:
         is_busy = core.has_unfinished
         if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
             last_sent = _send_or_beat(outputs, [(MsgKind.STATS, core.stats())], last_sent)
             last_stats = last_sent
+            heap.went_idle(last_sent)
         was_busy = is_busy
+        if is_busy:
+            heap.went_busy()
+        else:
+            heap.run_if_due(time.monotonic())
         try:
-            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if lora_reads else _IDLE_POLL_S)
+            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if lora_reads else
+                               heap.wait_s(time.monotonic(), _IDLE_POLL_S))
         except EOFError:  # the frontend closed its end: nobody will send more work
             return
         if not msgs and not is_busy and parent is not None and not parent.is_alive():

@@ -1,12 +1,17 @@
-"""How the frontend starts the core without importing it: the core's factory and the core loop's entry point.
+"""How the frontend starts the core without importing it: the core's factory, the core loop's entry point, and the
+spawn context that starts it (spawn_context).
 
 Seam: importing this loads no torch and no core module; each callable imports the core inside the call, on the
 core's side of the boundary (its thread, or its spawned process). Both are picklable by reference.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing
+import os
 from collections.abc import Callable
+from multiprocessing import context as mp_context
+from multiprocessing import popen_spawn_posix, spawn, util
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +76,57 @@ def kv_capacity(info: dict) -> dict[str, int]:
     if isinstance(info.get("kv_cache_bytes"), int):
         out["bytes"] = info["kv_cache_bytes"]
     return out
+
+
+class _UntrackedPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn, less the resource tracker it starts for every child.
+
+    spawn's Popen starts (once per parent) a second interpreter, ~15 MiB resident, that unlinks the named
+    semaphores and shared memory a process leaves behind, and hands every child its descriptor. The core's pipe
+    transport uses neither. A process that does create one (a Queue, for the queue transport; the guided
+    decoding pool) still gets a tracker: multiprocessing starts one on the first registration, in that process.
+    This is CPython's _launch (3.8-3.13) with tracker_fd=None, which the child's spawn_main takes as "none yet".
+    """
+
+    def _launch(self, process_obj: multiprocessing.process.BaseProcess) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        fp = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            mp_context.reduction.dump(prep_data, fp)
+            mp_context.reduction.dump(process_obj, fp)  # the Process args' pipe ends join self._fds here
+        finally:
+            mp_context.set_spawning_popen(None)
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=None, pipe_handle=child_r)
+            self._fds.extend([child_r, child_w])
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            self.finalizer = util.Finalize(self, util.close_fds, [fd for fd in (parent_r, parent_w) if fd is not None])
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class _UntrackedProcess(mp_context.SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: multiprocessing.process.BaseProcess) -> _UntrackedPopen:
+        return _UntrackedPopen(process_obj)
+
+
+class _UntrackedSpawnContext(mp_context.SpawnContext):
+    Process = _UntrackedProcess
+
+
+def spawn_context() -> mp_context.BaseContext:
+    """The spawn context a core process starts from: multiprocessing's, without a resource tracker (_UntrackedPopen)."""
+    return _UntrackedSpawnContext()
 
 
 def run_core_loop(factory: Callable[[], Any], inputs: Any, outputs: Any) -> None:

@@ -21,6 +21,7 @@ from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
+from rawserve.process_stats import release_free_heap
 
 log = logging.getLogger("rawserve.engine")
 
@@ -129,6 +130,16 @@ def _is_linear(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith((
         ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight",
         ".up_proj.weight", ".down_proj.weight"))
+
+
+def sampler_worst_case(logits: torch.Tensor) -> None:
+    """The sampler's working memory over `logits` [rows, vocab] as the profile step models it: every row's logprobs
+    (a raw copy and a log-softmax of each) held through a sort of ROW_CHUNK rows (values and int64 ids, beside their
+    softmax). A model, not the Sampler: bench.step_memory sets it beside the real Sampler's request mixes, which
+    take more at a large vocabulary (penalties, logprobs and a whole-vocabulary sort on every row)."""
+    raw, logprobs = logits.clone(), logits.log_softmax(-1)
+    torch.sort(logits[:ROW_CHUNK].softmax(-1), dim=-1, descending=True)
+    del raw, logprobs
 
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
@@ -261,11 +272,12 @@ class ModelRunner:
         memory.reset_peak_rss()
         before = memory.rss_bytes()
         logits = self.execute(batch)
-        raw, logprobs = logits.clone(), logits.log_softmax(-1)
-        torch.sort(logits[:ROW_CHUNK].softmax(-1), dim=-1, descending=True)
+        sampler_worst_case(logits)
         margin = max(0, memory.rss_bytes("VmHWM") - before)
-        del logits, raw, logprobs
+        del logits
         self.kv_caches = []
+        self.release_buffers()  # an idle engine holds no logits buffer
+        release_free_heap()  # what the step freed, before the cgroup's usage is read for the cap
         return margin
 
     def _plan(self, room: memory.Headroom | None, margin: int) -> memory.KVPlan:

@@ -23,7 +23,7 @@ from rawserve.engine.rules import check_one_sample
 from rawserve.engine.types import AddRequest, EngineStats, RequestOutput, SamplingParams
 from rawserve.errors import EngineDead, Overloaded
 from rawserve.metrics import FINISH_REASONS, Metrics
-from rawserve.process_stats import render_process_metrics
+from rawserve.process_stats import HeapRelease, render_process_metrics
 
 __all__ = ["AsyncLLM", "RequestStream", "TextOutput"]
 
@@ -73,6 +73,7 @@ class AsyncLLM:
         self._lora_waiters: dict[int, asyncio.Future] = {}
         self._last_heard = time.monotonic()  # when the core last sent anything (its heartbeat included)
         self._is_stalled = False  # for the log: said once when a stall is seen, once when it ends
+        self._heap = HeapRelease()  # the server's side of a burst (streams, buffers) goes back once it is over
 
     # ----- public state
 
@@ -225,6 +226,7 @@ class AsyncLLM:
         deadline_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         state.timer = loop.call_later(deadline_s, self._on_timeout, state)
         self._states[rid] = state
+        self._heap.went_busy()
         return RequestStream(state, self._release, loop)
 
     def check_capacity(self, num_requests: int) -> None:
@@ -262,6 +264,12 @@ class AsyncLLM:
             del self._states[state.rid]
         if not self._states and self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
+        if not self._states and self._loop is not None:
+            self._loop.call_later(self._heap.went_idle(time.monotonic()), self._release_heap)
+
+    def _release_heap(self) -> None:
+        if not self._states:  # still idle: a request that came and went since rescheduled it, and this is a no-op
+            self._heap.run_if_due(time.monotonic())
 
     def _finish(self, state: RequestState, reason: str | None) -> None:
         state.is_finished = True

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rawserve.engine.cpu_budget import export_environment, restore_environment
-from rawserve.engine.launch import run_core_loop
+from rawserve.engine.launch import run_core_loop, spawn_context
 from rawserve.engine.ipc import TRANSPORTS, make_channel
 from rawserve.engine.messages import Message, MsgKind
 
@@ -37,7 +37,7 @@ class CoreClient:
         self.factory = factory
         self.mode = mode
         self.transport = transport
-        self._context = multiprocessing.get_context("spawn") if mode == "process" else None
+        self._context = spawn_context() if mode == "process" else None
         self._in_tx = self._out_rx = None  # made by start()
         self.worker: threading.Thread | multiprocessing.process.BaseProcess | None = None
         self._pump_thread: threading.Thread | None = None

@@ -1,0 +1,159 @@
+"""Memory a burst leaves behind: a spawned core and the server hand their heap back once idle (HeapRelease), and a
+process core starts no helper process (launch.spawn_context)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+from rawserve.config import EngineConfig
+from rawserve.engine.core import make_engine_core
+from rawserve.engine.frontend.async_llm import AsyncLLM
+from rawserve.engine.ipc import make_channel
+from rawserve.engine.launch import spawn_context
+from rawserve.engine.messages import MsgKind
+from rawserve.engine.types import SamplingParams
+from rawserve.process_stats import HeapRelease
+from tests.test_memory import burst, container_checkpoint
+
+pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs /proc")
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/{pid}/status has no {field}")
+
+
+def children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the processes whose parent is `pid`."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(pathlib.Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid:
+                out[int(entry)] = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def settled_rss_kib(pid: int, timeout_s: float = 6.0) -> int:
+    """The process's RSS once two readings half a second apart agree within 1 MiB (or the last one)."""
+    deadline = time.monotonic() + timeout_s
+    last = status_kib(pid, "VmRSS")
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = status_kib(pid, "VmRSS")
+        if abs(now - last) < 1024:
+            return now
+        last = now
+    return last
+
+
+def test_a_spawned_core_gives_a_burst_back_and_runs_no_resource_tracker(tmp_path):
+    from tests.test_cli import Server
+
+    model_dir = container_checkpoint(tmp_path, "float32")  # 2 layers, hidden 256, a 152k vocabulary
+    command = [sys.executable, "-m", "rawserve", "serve", str(model_dir), "--port", "0",
+               "--engine-mode", "process", "--no-log-requests", "--dtype", "float32", "--max-num-seqs", "32",
+               "--max-model-len", "256"]
+    with Server(command) as server:
+        helpers = children(server.proc.pid)
+        # The core alone: multiprocessing's resource tracker (a second interpreter, ~15 MiB) is not started.
+        assert len(helpers) == 1, helpers
+        core = next(iter(helpers))
+        idle, api_idle = settled_rss_kib(core), settled_rss_kib(server.proc.pid)
+        assert burst(server.port) == [(200, ["length"], 48)] * 32
+        # The burst is just over: both releases are HeapRelease.idle_s away.
+        end, api_end = status_kib(core, "VmRSS"), status_kib(server.proc.pid, "VmRSS")
+        peak = status_kib(core, "VmHWM")
+        after, api_after = settled_rss_kib(core), settled_rss_kib(server.proc.pid)
+        print(f"core RSS idle {idle / 1024:.0f} MiB, burst peak {peak / 1024:.0f}, at its end {end / 1024:.0f}, "
+              f"settled {after / 1024:.0f}; server idle {api_idle / 1024:.0f}, at the end {api_end / 1024:.0f}, "
+              f"settled {api_after / 1024:.0f}")
+        assert peak - idle > 40 * 1024  # the burst's steps did hold vocabulary-sized rows and activations
+        # What the steps freed goes back to the kernel (without the release the core stays at `end` for good). The
+        # rest above idle is in use, not free: ~40 MiB of heap that the first burst allocates and later ones reuse.
+        assert end - after > 8 * 1024, (idle, peak, end, after)
+        assert children(server.proc.pid).keys() == {core}
+
+
+def test_heap_release_falls_due_once_per_idle_spell_and_not_too_often():
+    heap = HeapRelease(idle_s=0.5, min_gap_s=2.0)
+    assert not heap.run_if_due(5.0)  # never busy: nothing to hand back
+    assert heap.went_idle(10.0) == 0.5
+    assert heap.wait_s(10.2, 1.0) == pytest.approx(0.3)
+    assert not heap.run_if_due(10.2)
+    assert heap.run_if_due(10.5) and not heap.run_if_due(10.6)  # once
+    assert heap.went_idle(11.0) == pytest.approx(1.5)  # 2 s after the last one, not 0.5 s after this spell began
+    heap.went_busy()  # busy again before it fell due: this spell releases nothing
+    assert not heap.run_if_due(13.0) and heap.wait_s(13.0, 1.0) == 1.0
+
+
+def _echo(rx, tx) -> None:  # the spawned child: one batch back, then end of file
+    tx.send(rx.recv(30))
+    tx.close()
+
+
+@pytest.mark.parametrize("transport", ["pipe", "queue"])
+def test_a_child_spawned_without_the_resource_tracker_talks_over_either_transport(transport):
+    context = spawn_context()
+    in_tx, in_rx = make_channel(transport, context)
+    out_tx, out_rx = make_channel(transport, context)
+    child = context.Process(target=_echo, args=(in_rx, out_tx), daemon=True)
+    child.start()
+    try:
+        deadline, command = time.monotonic() + 10, ""
+        while "spawn_main" not in command and time.monotonic() < deadline:  # empty while the child execs
+            command = pathlib.Path(f"/proc/{child.pid}/cmdline").read_bytes().decode(errors="replace")
+            time.sleep(0.01)
+        assert "tracker_fd=None" in command and "spawn_main" in command, command  # spawn_main gets no tracker; one would start on first use
+        in_rx.detach()
+        out_tx.detach()
+        msgs = [(MsgKind.ABORT, "r1"), (MsgKind.ABORT, "r2")]
+        in_tx.send(msgs)
+        assert out_rx.recv(30) == msgs
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        if transport == "queue":  # stop the feeder thread this test started
+            in_tx._q.close()
+            in_tx._q.join_thread()
+
+
+async def test_the_server_side_releases_once_the_last_stream_is_done(tiny_qwen3_dir):
+    from tests.engine.test_async_llm import byte_tokenizer
+
+    config = EngineConfig(model_dir=str(tiny_qwen3_dir), device="cpu", max_model_len=128, num_kv_blocks=16)
+    llm = AsyncLLM(functools.partial(make_engine_core, config), byte_tokenizer())
+    await llm.start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        streams = [llm.generate([5, 6, 7], params) for _ in range(3)]
+        await asyncio.gather(*[_drain(s) for s in streams[:2]])
+        assert llm._heap.due is None  # one stream still runs: nothing falls due
+        await _drain(streams[2])
+        assert llm._heap.due is not None
+        deadline = time.monotonic() + 5
+        while llm._heap.due is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert llm._heap.due is None and llm._heap.last > float("-inf")  # it ran, half a second into the idle
+    finally:
+        await llm.stop(0.5)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
