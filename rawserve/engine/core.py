@@ -22,7 +22,7 @@ from rawserve.engine.lora import LoraAdapter, LoraError, read_adapter
 from rawserve.engine.model_runner import ModelRunner
 from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
-from rawserve.engine.sampler import Sampler, token_logprobs
+from rawserve.engine.sampler import Sampler, rows_logprobs
 from rawserve.engine.scheduler import Scheduler
 from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.thread_governor import ThreadGovernor
@@ -387,8 +387,8 @@ class EngineCore:
         entries = []
         if rows:
             dev = logits.device
-            lp = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev)).log_softmax(dim=-1)
-            entries = token_logprobs(lp, torch.tensor(targets, dtype=torch.int64, device=dev), num_top)
+            entries = rows_logprobs(logits, torch.tensor(rows, dtype=torch.int64, device=dev),
+                                    torch.tensor(targets, dtype=torch.int64, device=dev), num_top)
         for req, start, num_new, offset, count in spans:
             if start == 0:
                 req.prompt_logprobs.append(None)  # the first token has no context to be predicted from

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable
 from multiprocessing import context as mp_context
 from multiprocessing import popen_spawn_posix, spawn, util
@@ -125,7 +126,10 @@ class _UntrackedSpawnContext(mp_context.SpawnContext):
 
 
 def spawn_context() -> mp_context.BaseContext:
-    """The spawn context a core process starts from: multiprocessing's, without a resource tracker (_UntrackedPopen)."""
+    """The spawn context a core process starts from: multiprocessing's, without a resource tracker (_UntrackedPopen),
+    on the CPython versions whose private _launch it copies; elsewhere multiprocessing's own, tracker and all."""
+    if sys.implementation.name != "cpython" or not (3, 10) <= sys.version_info[:2] <= (3, 13):
+        return multiprocessing.get_context("spawn")
     return _UntrackedSpawnContext()
 
 

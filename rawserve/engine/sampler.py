@@ -29,7 +29,7 @@ def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, num_top: list[
     share the better rank.
     """
     chosen = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1  # [R]
+    ranks = (logprobs > chosen).sum(dim=1) + 1  # [R] (the sum widens the [R, V] comparison to int64: few rows here)
     k = max(num_top, default=0)
     if k:
         top_values, top_ids = logprobs.topk(k, dim=1)  # [R, k]
@@ -40,6 +40,19 @@ def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, num_top: list[
         top = tuple(zip(top_ids_l[i][:n], top_values_l[i][:n])) if n else ()
         out.append((target, value, rank, top))
     return out
+
+
+def rows_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, num_top: list[int]
+                  ) -> list[TokenLogprob]:
+    """token_logprobs of logits' rows `rows` [R] under their log-softmax, ROW_CHUNK rows at a time: the
+    log-softmax and the rank's comparison are [rows, V] temporaries (the rank's widened to int64), which at a
+    152k vocabulary would be 1.8 GB for a 1,024-token prompt's prompt_logprobs taken whole."""
+    entries: list[TokenLogprob] = []
+    for i in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
+        part = slice(i, i + vocab_ops.ROW_CHUNK)
+        lp = logits.index_select(0, rows[part]).log_softmax(dim=-1)
+        entries += token_logprobs(lp, targets[part], num_top[part])
+    return entries
 
 
 # Candidates a top-p row without top_k takes from its largest logits, in turn: when they hold more than top_p
@@ -280,14 +293,17 @@ class Sampler:
         factors = torch.tensor([(reqs[i].params.repetition_penalty, reqs[i].params.frequency_penalty,
                                  reqs[i].params.presence_penalty) for i in rows],
                                dtype=torch.float32, device=dev)  # [P, 3]
-        repetition, frequency, presence = (f.unsqueeze(1) for f in factors.unbind(dim=1))  # each [P, 1]
-        counts = self._counts.index_select(0, slots)  # [P, V]
-        seen = counts > 0
-        sub = x.index_select(0, rows_t)  # [P, V]
-        occurred = seen | self._prompt_mask.index_select(0, slots)
-        sub = torch.where(occurred, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        sub = sub - frequency * counts - presence * seen
-        x.index_copy_(0, rows_t, sub)
+        # In row chunks: each pass makes [rows, V] temporaries (float, int32 and bool), about six of them.
+        for i in range(0, len(rows), vocab_ops.ROW_CHUNK):
+            part = slice(i, i + vocab_ops.ROW_CHUNK)
+            repetition, frequency, presence = (f.unsqueeze(1) for f in factors[part].unbind(dim=1))  # each [p, 1]
+            counts = self._counts.index_select(0, slots[part])  # [p, V]
+            seen = counts > 0
+            sub = x.index_select(0, rows_t[part])  # [p, V]
+            occurred = seen | self._prompt_mask.index_select(0, slots[part])
+            sub = torch.where(occurred, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+            sub = sub - frequency * counts - presence * seen
+            x.index_copy_(0, rows_t[part], sub)
         return slots, rows_t
 
     def _slot(self, req: Request) -> int:
@@ -326,8 +342,10 @@ class Sampler:
         """From the raw log-softmax: before logit_bias, penalties, temperature and truncation. raw_rows: the
         rows' logits as they came, when the processors have since changed `logits` in place."""
         rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        lp = (logits.index_select(0, rows_t) if raw_rows is None else raw_rows).log_softmax(dim=-1)  # [R, V]
-        entries = token_logprobs(lp, tokens.index_select(0, rows_t), [reqs[i].params.logprobs for i in rows])
+        num_top = [reqs[i].params.logprobs for i in rows]
+        targets = tokens.index_select(0, rows_t)
+        entries = rows_logprobs(logits, rows_t, targets, num_top) if raw_rows is None else \
+            rows_logprobs(raw_rows, torch.arange(len(rows), device=logits.device), targets, num_top)
         out: list[TokenLogprob | None] = [None] * len(reqs)
         for i, entry in zip(rows, entries):
             out[i] = entry
