@@ -90,7 +90,7 @@ class EngineConfig:
     num_threads: int | str = field(default="auto", metadata={
         "help": "The engine's intra-op (OpenMP) threads, or auto: OMP_NUM_THREADS when set, else the CPUs this "
                 "process may use (its affinity mask, capped by a cgroup CPU quota rounded down), less one left to "
-                "the front process above 4. A spawned engine also gets GOMP_SPINCOUNT=1000 and KMP_BLOCKTIME=0 "
+                "the front process above 4. A spawned engine also gets GOMP_SPINCOUNT=30000 and KMP_BLOCKTIME=0 "
                 "unless the environment sets its own (OMP_WAIT_POLICY, GOMP_SPINCOUNT, KMP_BLOCKTIME).",
         "type": lambda text: text if text == "auto" else int(text)})
     enable_lora: bool = field(default=False, metadata={

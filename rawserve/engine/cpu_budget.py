@@ -17,13 +17,15 @@ from rawserve.engine.memory import cgroup_dirs
 # matmul, while the front needs a CPU only in bursts (HTTP, detokenizing) that the scheduler interleaves.
 # Above it, one CPU is left to the front process, so its work never waits behind a full OpenMP team.
 ALL_CPUS_UP_TO = 4
-# OpenMP's idle threads spin briefly, then sleep: libgomp's default spin (up to 300,000 turns per wait) burns the
-# CPU a descheduled teammate or a neighbour needs (beside two busy processes an n=8 request on the demo model
-# took 44 s with it), while sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a futex wake-up at each of a
-# step's ~2,000 parallel regions: alone, 0.6B bf16 decode 98-102 ms a step at 1 row against 63-80 with a short
-# spin, and the n=8 request 1.05 s against 0.52-0.68 s. 1,000 turns (libgomp's own when threads outnumber CPUs)
-# kept both: alone 80 ms / 0.68 s, beside two busy processes 104 ms / 0.98 s (PASSIVE: 0.94 s).
-OMP_DEFAULTS = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}  # KMP_*: Intel's OpenMP, when torch uses it
+# OpenMP's idle threads spin, then sleep. libgomp's default (up to 300,000 turns per wait) burns the CPU a
+# descheduled teammate or a neighbour needs: beside two busy processes an n=8 request on the demo model took 44 s
+# with it. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) pays a futex wake-up at each of a step's ~1,200 parallel
+# regions, and so did 1,000 turns (0.6B decode at one row, offline, quiet, 2 threads: 67-80 ms a bf16 step and
+# 124 ms fp32, against 53-65 and 98-117 at 30,000 or 300,000 turns). 30,000 turns spans the gaps between a
+# step's ops, and beside busy processes the ThreadGovernor takes the engine down to the threads that have CPUs,
+# so no barrier waits on a descheduled teammate: served on the tiny model beside two busy processes, 1.9-2.2x
+# slower than alone, as with 1,000 turns (2.0-2.2x), where llama-server slowed 2-8x.
+OMP_DEFAULTS = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "0"}  # KMP_*: Intel's OpenMP, when torch uses it
 # Either of these says how the user wants OpenMP to wait: then rawserve sets neither.
 _WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

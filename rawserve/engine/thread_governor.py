@@ -15,7 +15,8 @@ log = logging.getLogger("rawserve.engine")
 
 PERIOD_S = 0.5  # how long a window of busy stepping is before the count is judged again
 STALE_S = 5.0  # a tick this long after the last one starts a new window (the engine was idle in between)
-SLACK = 0.25  # CPUs: a neighbour's occasional burst (the front process writing tokens) does not cost a thread
+SLACK = 0.5  # CPUs: others must keep more than half a CPU busy to cost a thread (the front process streaming
+# tokens and a local client take a few tenths; on 2 CPUs a thread lost is half of every matmul)
 UP_WINDOWS = 2  # windows in a row that must find a CPU free before a thread comes back
 
 

@@ -59,7 +59,7 @@ def test_auto_leaves_one_cpu_to_the_front_process_only_above_four():
     assert [auto_threads(n) for n in (1, 2, 4, 5, 16)] == [1, 2, 4, 4, 15]
     plan = plan_threads("auto", {}, CpuBudget(8, 8, None, "8 CPUs in the affinity mask"))
     assert plan.num_threads == 7 and "one left to the front process" in plan.reason
-    assert plan.env == {"OMP_NUM_THREADS": "7", "GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
+    assert plan.env == {"OMP_NUM_THREADS": "7", "GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "0"}
 
 
 def test_the_users_openmp_settings_are_respected_and_the_flag_wins():
@@ -128,7 +128,7 @@ async def test_spawned_core_runs_on_its_plan_and_sleeps_when_idle(tiny_qwen3_dir
                        pathlib.Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
         assert environ["OMP_NUM_THREADS"] == "2"
         if "OMP_WAIT_POLICY" not in before and "GOMP_SPINCOUNT" not in before:
-            assert environ["GOMP_SPINCOUNT"] == "1000"
+            assert environ["GOMP_SPINCOUNT"] == "30000"
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outs = await collect(llm.generate([1, 2, 3], params))
         assert outs[-1].finish_reason == "length"

@@ -44,6 +44,7 @@ def test_two_threads_stay_while_only_the_front_process_works_beside_them():
     m = Machine()
     gov = m.governor()
     step(m, gov, 30, own=2.0, others=0.1)  # the front process writing tokens: under SLACK
+    step(m, gov, 30, own=1.8, others=0.4)  # and a local client reading them
     assert gov.threads == 2 and m.threads_set == []
 
 
