@@ -206,8 +206,10 @@ def failover(replicas: list[Replica], args: argparse.Namespace) -> dict:
         victim.kill()
         # routed around once requests sent a second after the kill succeed
         wait_until(lambda: sum(r["ok"] for r in results if r["start"] > killed_at + 1) >= args.concurrency, 300)
-        wait_until(lambda: _gauge(drained.metrics(), "rawserve:requests_in_flight") > 0, 60, 0.01)
-        in_flight = _gauge(drained.metrics(), "rawserve:requests_in_flight")
+        readings = [0.0]  # the reading that saw requests in flight (a second read may come after they finish)
+        wait_until(lambda: readings.append(_gauge(drained.metrics(), "rawserve:requests_in_flight")) or readings[-1] > 0,
+                   60, 0.01)
+        in_flight = readings[-1]
         signalled_at = time.monotonic()
         drained.terminate()
         exit_status = drained.wait(60)
