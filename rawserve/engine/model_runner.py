@@ -134,11 +134,13 @@ def _is_linear(name: str) -> bool:
 
 def sampler_worst_case(logits: torch.Tensor) -> None:
     """The sampler's working memory over `logits` [rows, vocab] as the profile step models it: every row's logprobs
-    (a raw copy and a log-softmax of each) held through a sort of ROW_CHUNK rows (values and int64 ids, beside their
-    softmax). A model, not the Sampler: bench.step_memory sets it beside the real Sampler's request mixes, which
-    take more at a large vocabulary (penalties, logprobs and a whole-vocabulary sort on every row)."""
+    (a raw copy and a log-softmax of each) held through a sort of 2 x ROW_CHUNK rows (values and int64 ids, beside
+    their softmax). A model, not the Sampler: bench.step_memory sets it beside the real Sampler's request mixes (at
+    32 x 152k rows: the model 98 MiB; penalties with logprobs 84-88, top-p with min-p and logprobs 69-98)."""
     raw, logprobs = logits.clone(), logits.log_softmax(-1)
-    torch.sort(logits[:ROW_CHUNK].softmax(-1), dim=-1, descending=True)
+    # The sorted path's other temporaries (its chunk's copy, tempered logits, softmax, running sums) are about as
+    # large again as its sort's values and ids: modelled as a sort of twice ROW_CHUNK rows.
+    torch.sort(logits[:2 * ROW_CHUNK].softmax(-1), dim=-1, descending=True)
     del raw, logprobs
 
 
@@ -244,13 +246,13 @@ class ModelRunner:
     def _step_bytes_estimate(self) -> int:
         """A worst-case step's working memory from the shapes (what _profile_step then measures): float32 logits
         of --max-num-seqs rows, the sampler's worst case over them (every row asking for logprobs: a raw copy and
-        a log-softmax of each; a sort of ROW_CHUNK rows, values and int64 ids, beside their softmax), and the
+        a log-softmax of each; a sort of 2 x ROW_CHUNK rows, values and int64 ids, beside their softmax), and the
         activations of --max-num-batched-tokens tokens."""
         cfg = self.model_config
         num_tokens = self.config.max_num_batched_tokens
         rows = min(self.config.max_num_seqs, num_tokens)
         width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        return 4 * (3 * rows * cfg.vocab_size + 4 * ROW_CHUNK * cfg.vocab_size + num_tokens * width)
+        return 4 * (3 * rows * cfg.vocab_size + 8 * ROW_CHUNK * cfg.vocab_size + num_tokens * width)
 
     def _profile_step(self) -> int:
         """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens

@@ -12,8 +12,10 @@ import torch
 # a few blocks. 128 keeps the maxima ([rows, V / 128]) small and the gathered blocks cheap.
 BLOCK = 128
 # Rows per chunk for passes that need a float temporary as wide as the row: a [256, 152k] temporary is
-# 155 MB, which glibc maps fresh (and the kernel zero-fills) on every step; 16 rows stay in the heap.
-ROW_CHUNK = 16
+# 155 MB, which glibc maps fresh (and the kernel zero-fills) on every step; a few rows stay in the heap. 8, not 16:
+# the sorted path and the penalties hold five or six such temporaries at once (bench.step_memory at 32 x 152k rows:
+# top-p with min-p and logprobs 126-172 MiB at 16 rows, 70-98 at 8; penalties with logprobs 130, 88).
+ROW_CHUNK = 8
 
 
 def block_maxima(x: torch.Tensor) -> torch.Tensor:
