@@ -224,8 +224,7 @@ class EngineCore:
         self.scheduler.finish(req, "abort")
         self.sampler.release(req)
         self._request_done(req)
-        if not self.requests:
-            self.runner.release_buffers()
+        self._release_if_idle()
         return RequestOutput(rid, [], finished=True, finish_reason="abort",
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens)
@@ -283,9 +282,13 @@ class EngineCore:
         sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
         del logits  # a view of the runner's reused buffer, which an idle engine gives back
         outputs = scored + self._update(reqs, sampled.token_ids, sampled.logprobs)
+        self._release_if_idle()
+        return outputs
+
+    def _release_if_idle(self) -> None:
+        """The last request is gone: the runner's step buffers go back (the core loop then trims the heap)."""
         if not self.requests:
             self.runner.release_buffers()
-        return outputs
 
     def _finish_scored(self, req: Request) -> RequestOutput:
         """A max_tokens 0 request whose prompt is now computed: it ends at "length" with no token sampled."""

@@ -272,8 +272,9 @@ class Sampler:
         for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
             end = start + vocab_ops.ROW_CHUNK
             opts = options[start:end]
-            values, ids = x.index_select(0, rows[start:end]).sort(dim=1, descending=True, stable=True)  # ties
-            # in token-id order, as vocab_ops.topk gives candidates: a draw picks the same token on either path
+            # Stable: equal values in token-id order, as vocab_ops.topk gives candidates, so a draw picks the same
+            # token on either path.
+            values, ids = x.index_select(0, rows[start:end]).sort(dim=1, descending=True, stable=True)  # [R, V]
             k = opts[:, 1].long()
             widths = torch.full_like(k, values.shape[1])
             if bool((k > 0).any()):
@@ -344,8 +345,9 @@ class Sampler:
         rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         num_top = [reqs[i].params.logprobs for i in rows]
         targets = tokens.index_select(0, rows_t)
-        entries = rows_logprobs(logits, rows_t, targets, num_top) if raw_rows is None else \
-            rows_logprobs(raw_rows, torch.arange(len(rows), device=logits.device), targets, num_top)
+        source, picked = (logits, rows_t) if raw_rows is None else \
+            (raw_rows, torch.arange(len(rows), device=logits.device))  # raw_rows holds just these rows, in order
+        entries = rows_logprobs(source, picked, targets, num_top)
         out: list[TokenLogprob | None] = [None] * len(reqs)
         for i, entry in zip(rows, entries):
             out[i] = entry
