@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rawserve.engine import vocab_ops
+from rawserve.engine import nucleus, vocab_ops
 from rawserve.engine.request import Request
 from rawserve.engine.types import TokenLogprob
 
@@ -55,11 +55,10 @@ def rows_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tenso
     return entries
 
 
-# Candidates a top-p row without top_k takes from its largest logits, in turn: when they hold more than top_p
-# of the mass (a real model's usual case: the first) the cut lies among them; when the widest falls short,
-# the row sorts its whole vocabulary. The first comes from block maxima; the second is torch.topk (about a
-# fifth of a full sort's time at a 152k vocabulary).
-TOP_P_PROBES = (128, 4096)
+# Candidates a top-p row without top_k takes from its largest logits (through block maxima). When they hold
+# more than top_p of the mass (a real model's usual case) the cut lies among them; when not, the row goes to
+# nucleus.draw_nucleus, which costs about what a 4,096-candidate probe did (torch.topk over the row).
+TOP_P_PROBE = 128
 # Candidates a top_k row takes beyond its k, for tokens tied at its k-th value (see Sampler._from_candidates):
 # over 256 rows of bf16-rounded logits at 152k, top_k 20: room 1 leaves half the rows to the whole-vocabulary
 # sort, 4 leaves 2%, 8 none; the candidates cost 6.4, 6.9, 7.6 ms (32: 12 ms).
@@ -73,10 +72,12 @@ class Sampler:
 
     One pass over each row's vocabulary finds its block maxima (vocab_ops); greedy rows take their argmax
     from them, top-k and top-p rows their largest logits, and temperature, min-p, top-k, top-p and the draw
-    work on those few candidates. Rows no candidate set can stand for (no top_k, with top_p not reached
-    among TOP_P_PROBES candidates, or a tie at the k-th value) sort their whole vocabulary: the reference
-    path, which `fast=False` uses for every row. Rows that keep the whole vocabulary (no top_k, no top_p)
-    draw from it in vocabulary order without a sort. Every sampled row draws one uniform per token.
+    work on those few candidates. Top-p rows without top_k that TOP_P_PROBE candidates cannot decide (and
+    those with min-p) draw through nucleus.draw_nucleus, which finds the cut without a sort; a top_k row
+    whose tie run passes its room sorts its whole vocabulary. The sorts (nucleus.reference for top-p rows
+    without top_k) are the reference path, which `fast=False` uses for every row. Rows that keep the whole
+    vocabulary (no top_k, no top_p) draw from it in vocabulary order without a sort. Every sampled row
+    draws one uniform per token.
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0, *,
@@ -161,7 +162,7 @@ class Sampler:
             if sampled:
                 rows_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
                 uniforms = self._uniforms(reqs, sampled)
-                tokens[rows_t] = self._sample_sorted(x, rows_t, self._options(reqs, sampled), uniforms)
+                tokens[rows_t] = self._draw_uncovered(x, rows_t, self._options(reqs, sampled), uniforms)
             return tokens, penalty_rows
         maxima = vocab_ops.block_maxima(x)  # [B, ceil(V / BLOCK)]: the one pass over every row
         tokens = vocab_ops.argmax(x, maxima)  # greedy rows' tokens; sampled rows' are written over them
@@ -203,17 +204,10 @@ class Sampler:
         # The rest (no top_k, top_p with min_p) and any candidate row that cannot stand for its vocabulary
         full = sorted(set(range(len(sampled))) - set(k_rows) - set(probe) - set(whole))
         if k_rows:
-            full += self._from_candidates(x, maxima, sampled_t, options, uniforms, k_rows, 0, tokens)[0]
+            full += self._from_candidates(x, maxima, sampled_t, options, uniforms, k_rows, 0, tokens)
         # A probe pays off only well inside the vocabulary: sorting a small one is cheaper than probing it.
-        widths = [w for w in TOP_P_PROBES if 32 * w <= vocab]
-        for n, width in enumerate(widths):
-            if not probe:
-                break
-            wider = widths[n + 1] if n + 1 < len(widths) else 0
-            left, hopeless = self._from_candidates(x, maxima, sampled_t, options, uniforms, probe, width, tokens,
-                                                   wider)
-            full += hopeless
-            probe = [j for j in left if j not in hopeless]
+        if probe and 32 * TOP_P_PROBE <= vocab:
+            probe = self._from_candidates(x, maxima, sampled_t, options, uniforms, probe, TOP_P_PROBE, tokens)
         full += probe
         if whole:
             picked = torch.tensor(whole, dtype=torch.int64, device=dev)
@@ -222,18 +216,29 @@ class Sampler:
         if full:
             picked = torch.tensor(sorted(full), dtype=torch.int64, device=dev)
             rows_x = sampled_t.index_select(0, picked)
-            tokens[rows_x] = self._sample_sorted(x, rows_x, options.index_select(0, picked),
-                                                 uniforms.index_select(0, picked))
+            tokens[rows_x] = self._draw_uncovered(x, rows_x, options.index_select(0, picked),
+                                                  uniforms.index_select(0, picked))
+
+    def _draw_uncovered(self, x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
+                        ) -> torch.Tensor:
+        """Rows no candidate set decides (every sampled row on the reference path) -> [len(rows)] token ids.
+        Top-p rows without top_k go to nucleus (which needs no sort on the fast path), the rest, and every row
+        of a vocabulary short enough to sort quickly, to the sort."""
+        out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
+        by_nucleus = (options[:, 1] == 0) & (options[:, 2] < 1) & (x.shape[1] >= nucleus.MIN_VOCAB)
+        for which, draw in ((by_nucleus, nucleus.draw_nucleus if self.fast else nucleus.reference),
+                            (~by_nucleus, self._sample_sorted)):
+            if bool(which.any()):
+                out[which] = draw(x, rows[which], options[which], uniforms[which])
+        return out
 
     @staticmethod
     def _from_candidates(x: torch.Tensor, maxima: torch.Tensor, sampled_t: torch.Tensor, options: torch.Tensor,
-                         uniforms: torch.Tensor, which: list[int], probe_width: int, tokens: torch.Tensor,
-                         wider: int = 0) -> tuple[list[int], list[int]]:
+                         uniforms: torch.Tensor, which: list[int], probe_width: int, tokens: torch.Tensor
+                         ) -> list[int]:
         """Draw rows `which` (indices into the sampled rows) from their largest logits: their own top_k when
         probe_width is 0, else probe_width candidates judged by their share of the whole vocabulary's
-        probability. Writes the tokens of the rows the candidates decide; returns the others, and which of
-        them `wider` candidates cannot decide either: sorted largest first, the wider set's mass is at most
-        wider / probe_width times this one's."""
+        probability. Writes the tokens of the rows the candidates decide; returns the others."""
         dev, vocab = x.device, x.shape[1]
         picked = torch.tensor(which, dtype=torch.int64, device=dev)
         opts = options.index_select(0, picked)
@@ -252,16 +257,12 @@ class Sampler:
             widths = torch.where(finite, tied, widths)
             tie_covered = (tied < num) | (num == vocab) | ~finite
         whole = vocab_ops.probs_at(x, rows_x, opts[:, 0], ids) if probe_width else None
-        where, covered, mass = _truncate_and_draw(values, widths, opts, whole, uniforms.index_select(0, picked))
+        where, covered = _truncate_and_draw(values, widths, opts, whole, uniforms.index_select(0, picked))
         if not probe_width:
             covered = tie_covered
         chosen = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         tokens[rows_x[covered]] = chosen[covered]
-        left = [j for j, ok in zip(which, covered.tolist()) if not ok]
-        if not left or not wider:
-            return left, []
-        reach = mass * (wider / probe_width) > opts[:, 2]  # [C]: could the wider set pass top_p?
-        return left, [j for j, ok, could in zip(which, covered.tolist(), reach.tolist()) if not ok and not could]
+        return [j for j, ok in zip(which, covered.tolist()) if not ok]
 
     @staticmethod
     def _sample_sorted(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
@@ -280,7 +281,7 @@ class Sampler:
             if bool((k > 0).any()):
                 kth = values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [R, 1]
                 widths = torch.where(k > 0, (values >= kth).sum(dim=1), widths)
-            where, _, _ = _truncate_and_draw(values, widths, opts, None, uniforms[start:end])
+            where, _ = _truncate_and_draw(values, widths, opts, None, uniforms[start:end])
             out[start:end] = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         return out
 
@@ -355,14 +356,14 @@ class Sampler:
 
 
 def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torch.Tensor, whole: torch.Tensor | None,
-                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature, min-p, top-k and top-p over each row's candidates, then one draw.
 
     values: [R, N] logits, largest first; widths: [R] leading candidates a row may keep (its top_k, or all it
     has); options: [R, 4] as Sampler._options; whole: [R, N] the candidates' probabilities under the row's
     whole tempered vocabulary (top-p probe rows), or None when the candidates hold all a row can keep.
-    Returns each row's drawn column [R], whether the candidates decided its top-p cut [R] (always, without
-    `whole`), and the candidates' share of the row's probability [R] (1 where top_p is off everywhere).
+    Returns each row's drawn column [R], and whether the candidates decided its top-p cut [R] (always, without
+    `whole`).
     Softmax rather than exp throughout: see vocab_ops.probs_at.
     """
     temperature, top_p, min_p = options[:, 0:1], options[:, 2:3], options[:, 3:4]  # each [R, 1]
@@ -376,17 +377,15 @@ def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torc
         z.masked_fill_(z < z[:, :1] + min_p.log(), _NEG_INF)
     weights = z.softmax(dim=1)  # [R, N]: over the kept candidates, 0 for what is cut
     covered = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
-    mass = torch.ones(values.shape[0], device=values.device)
     if bool((top_p < 1).any()):
         # Each candidate's probability: over the kept candidates, or over the whole vocabulary (probe rows).
         probs = weights if whole is None else whole.masked_fill(z == _NEG_INF, 0.0)
         cumulative = probs.cumsum(dim=1)
         # Keep the smallest set of most likely tokens whose mass reaches p (the most likely always stays).
         weights = weights.masked_fill((cumulative - probs > top_p) & (top_p < 1), 0.0)
-        mass = cumulative[:, -1]
         if whole is not None:
-            covered = (mass > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
-    return vocab_ops.draw(weights, uniforms), covered, mass
+            covered = (cumulative[:, -1] > top_p.squeeze(1)) | (top_p.squeeze(1) >= 1)
+    return vocab_ops.draw(weights, uniforms), covered
 
 
 def _draw_whole(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
