@@ -210,6 +210,7 @@ class ModelRunner:
             self.model.enable_lora(self.lora)
         self._num_zeroed = 0  # leading blocks of the pool written with zeros (see _zero_blocks)
         self._logits: torch.Tensor | None = None  # see _logits_out
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # see _gather_out
         margin = self._profile_step() if sizes_by_memory and config.kv_cache_memory_gb == "auto" else 0
         self.kv_plan = self._plan(memory.headroom() if sizes_by_memory else None, margin)
         self.num_blocks = self.kv_plan.num_blocks
@@ -375,6 +376,9 @@ class ModelRunner:
             else:
                 meta.decode_mask = (torch.arange(max_decode_len).unsqueeze(0)
                                     < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None].to(dev)
+            if dev.type == "cpu":  # the largest gather of the step: the decodes' blocks, or one prefill's
+                most = max([decode_blocks.numel()] + [-(-seq_lens[i] // bs) for i in prefill_seq])
+                meta.gather_out = self._gather_out(most)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(batch.logit_indices, dtype=torch.int64, device=dev))
@@ -414,9 +418,22 @@ class ModelRunner:
             self._logits = torch.empty((min(grown, self.config.max_num_seqs), self.vocab_size), dtype=torch.float32)
         return self._logits[:num_rows]
 
+    def _gather_out(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat K and V buffers of at least num_blocks KV blocks each, for the torch backend's gathers on a CPU
+        (see torch_backend.gather_blocks): grown to the most blocks a step has gathered, kept across steps,
+        given back by release_buffers(). A step's gathers are as large whether fresh or reused, so the peak
+        the profile step measures is the same."""
+        cfg = self.model_config
+        row = self.block_size * cfg.num_kv_heads * cfg.head_dim
+        if self._gathered is None or self._gathered[0].numel() < num_blocks * row:
+            self._gathered = None  # the old pair goes before the larger one comes
+            self._gathered = tuple(torch.empty(num_blocks * row, dtype=self.dtype) for _ in range(2))
+        return self._gathered
+
     def release_buffers(self) -> None:
-        """Drop the reused logits buffer (the engine is idle); the next step makes a new one."""
+        """Drop the reused logits and gather buffers (the engine is idle); the next step makes new ones."""
         self._logits = None
+        self._gathered = None
 
     def _run_graph(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits from a captured decode graph, or None when the step must run eagerly (a prefill in it, a

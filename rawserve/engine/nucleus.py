@@ -1,16 +1,6 @@
-"""Top-p (with min-p) over a row's whole vocabulary, for rows without top_k whose nucleus is too wide for the
-sampler's candidates (a flat row: temperature 1 and top_p 0.9 over a 152k vocabulary keeps most of it).
-
-`reference` defines the draw: the row's tokens sorted by logit (equal logits in token-id order), kept while
-the mass before them is at most top_p of the row's, and one uniform drawn by inverse CDF in that order; masses
-add in float64, so the cut and the draw are exact to far below one token's share of a row (a float32 running
-sum over 150k tokens drifts by more than that).
-
-`draw_nucleus` draws the same token without sorting the row. Each row's tempered logits below its max are cut
-into BUCKETS equal slices (a larger logit never falls in a later slice, so slices are ordered as the sorted
-tokens are); one pass adds each token's probability into its slice. The running mass over the slices names
-the slice holding the top-p cut and the slice holding the draw, and only those slices' tokens are sorted.
-At 152k tokens a row costs an eighth of a sort (0.9 against 7 ms on 2 cores).
+"""Top-p (with min-p) over whole rows without sorting them, for the sampler's rows without top_k whose nucleus
+its candidates cannot hold (a flat row: temperature 1, top_p 0.9 over 152k tokens keeps most of them).
+Draws only: the options come decided from the sampler.
 """
 from __future__ import annotations
 
@@ -31,7 +21,12 @@ SPAN = 40.0
 
 def reference(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The definition, by a whole-row sort. x: [B, V] logits; rows [R] of them, options [R, 4] (temperature,
-    top_k (unused: 0 for these rows), top_p, min_p), uniforms [R] in [0, 1) -> [R] token ids."""
+    top_k (unused: 0 for these rows), top_p, min_p), uniforms [R] in [0, 1) -> [R] token ids.
+
+    Each row's tokens sorted by logit (equal logits in token-id order), kept while the mass before them is at
+    most top_p of the row's, and one uniform drawn by inverse CDF in that order. Masses add in float64, so the
+    cut and the draw are exact to far below one token's share of a row (a float32 running sum over 150k tokens
+    drifts by more than that)."""
     out = []
     for i, row in enumerate(rows.tolist()):
         probs = _tempered(x[row:row + 1], options[i:i + 1])[1][0]
@@ -44,7 +39,13 @@ def reference(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, unifor
 
 
 def draw_nucleus(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """`reference`'s tokens, in row chunks of vocab_ops.ROW_CHUNK, without a sort of any whole row."""
+    """`reference`'s tokens, in row chunks of vocab_ops.ROW_CHUNK, without a sort of any whole row.
+
+    Each row's tempered logits below its max are cut into BUCKETS equal slices (a larger logit never falls in a
+    later slice, so the slices are ordered as the sorted tokens are); one pass adds each token's probability
+    into its slice. The running mass over the slices names the slice holding the top-p cut and the slice
+    holding the draw, and only those slices' tokens are sorted. At 152k tokens a row costs an eighth of a
+    sort (0.9 against 7 ms on 2 cores)."""
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
     for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
         end = start + vocab_ops.ROW_CHUNK

@@ -183,3 +183,36 @@ def test_single_decode_reads_consecutive_blocks_in_place_and_matches_a_gather(ti
             token = int(step[-1].argmax())
         logits[kind] = torch.stack(out)
     torch.testing.assert_close(logits["in place"], logits["gathered"], atol=1e-5, rtol=1e-5)
+
+
+def test_gathers_reuse_one_buffer_pair_across_layers_and_steps_and_match_fresh_ones(tiny_qwen3_dir, monkeypatch):
+    # A step with a chunked prefill (its own blocks gathered) and two decodes (theirs): every gather writes into
+    # the runner's one K and V buffer, each used before the next overwrites it; the logits are those of fresh
+    # gathers, bit for bit.
+    a, b, c = prompt_ids(13, seed=6), prompt_ids(9, seed=7), prompt_ids(11, seed=8)
+    ta, tb, tc = blocks_for(20), blocks_for(20, first=50), blocks_for(20, first=100)
+
+    def run(runner: ModelRunner) -> list[torch.Tensor]:
+        runner.execute(ForwardBatch([StepInput(a, 0, ta), StepInput(b, 0, tb), StepInput(c[:6], 0, tc)], []))
+        steps = []
+        for i in range(3):
+            steps.append(runner.execute(ForwardBatch.last_tokens(
+                [StepInput([7 + i], 13 + i, ta), StepInput([9 + i], 9 + i, tb)]
+                + ([StepInput(c[6:], 6, tc)] if i == 0 else [StepInput([5 + i], 10 + i, tc)]))))
+        return steps
+
+    reused = make_runner(tiny_qwen3_dir, num_blocks=128)
+    got = run(reused)
+    assert reused._gathered is not None
+    before = reused._gathered[0].data_ptr()
+    reused.execute(ForwardBatch.last_tokens([StepInput([3], 16, ta)]))
+    assert reused._gathered[0].data_ptr() == before  # a smaller step keeps the buffers it has
+    reused.release_buffers()
+    assert reused._gathered is None
+
+    monkeypatch.setattr(ModelRunner, "_gather_out", lambda self, num_blocks: None)
+    fresh = make_runner(tiny_qwen3_dir, num_blocks=128)
+    expected = run(fresh)
+    assert fresh._gathered is None
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine, theirs)

@@ -42,6 +42,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] bool: slot < the sequence's length
     # (None for a single decode, which sees every slot up to max_decode_len)
     decode_block_run: int | None = None  # a single decode whose blocks are consecutive: the first (read as a view)
+    # CPU: flat K and V buffers the runner reuses across layers and steps, which the block gathers write into
+    # (each at least as long as the largest gather this step); None: each gather allocates its own
+    gather_out: tuple[torch.Tensor, torch.Tensor] | None = None
     # Triton backend: the same selections as device index tensors, and the grid sizes (host ints).
     decode_seq_ids: torch.Tensor | None = None  # [num_decodes] int64: each decode's sequence
     prefill_seqs: torch.Tensor | None = None  # [num_prefills] int64: prefill_seq_ids on the device

@@ -22,20 +22,28 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, H, D] at blocks [n] -> [n, block_size, H, D] (a copy).
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D] at blocks [n] -> [n, block_size, H, D] (a copy), written into the
+    start of the flat buffer `out` when given.
 
     index_select over a 2-D view ([num_blocks, block_size * H * D]): each block is then one contiguous row
     copy, several times faster on CPU than over the 4-D tensor, and 2-4x faster than indexing the view with
-    `[blocks]` (torch 2.13, 9 to 288 blocks, float32 and bf16).
+    `[blocks]` (torch 2.13, 9 to 288 blocks, float32 and bf16). A reused `out` matters on a CPU once a
+    gather passes glibc's 32 MiB mmap ceiling (32 decodes of 512 bf16 tokens at 0.6B's 8 x 128 KV): a fresh
+    tensor there is mapped, zero-filled page by page and unmapped at every layer (32 x 1,024 tokens, bf16:
+    gather and attention 75 against 27 ms a layer).
     """
-    rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
+    rows = cache.view(cache.shape[0], -1)
+    if out is None:
+        rows = rows.index_select(0, blocks)
+    else:
+        rows = torch.index_select(rows, 0, blocks, out=out[:blocks.numel() * rows.shape[1]].view(blocks.numel(), -1))
     return rows.view(blocks.shape[0], *cache.shape[1:])
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int, out: torch.Tensor | None) -> torch.Tensor:
     """The first `length` slots of a sequence's blocks: [length, H, D]."""
-    return gather_blocks(cache, blocks).flatten(0, 1)[:length]
+    return gather_blocks(cache, blocks, out).flatten(0, 1)[:length]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -53,14 +61,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = None if decode_only else torch.empty_like(q)
     block_size = meta.block_size
     starts = meta.query_start_loc_cpu
+    k_out, v_out = meta.gather_out or (None, None)  # one pair for every gather below: each is used before the next
 
     for i in meta.prefill_seq_ids:
         start, end = starts[i], starts[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_cpu[i]
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[i, :num_blocks]
-        k = _gather(k_cache, blocks, seq_len)  # [seq_len, kv_heads, D]
-        v = _gather(v_cache, blocks, seq_len)
+        k = _gather(k_cache, blocks, seq_len, k_out)  # [seq_len, kv_heads, D]
+        v = _gather(v_cache, blocks, seq_len, v_out)
         # 4-D [1, heads, len, D]: with 3-D inputs torch's CPU SDPA drops to its slow math path.
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
@@ -81,7 +90,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             first, count = meta.decode_block_run, meta.decode_blocks.numel()
             k, v = k_cache[first:first + count], v_cache[first:first + count]
         else:
-            k, v = gather_blocks(k_cache, meta.decode_blocks), gather_blocks(v_cache, meta.decode_blocks)
+            k, v = gather_blocks(k_cache, meta.decode_blocks, k_out), gather_blocks(v_cache, meta.decode_blocks, v_out)
         k = k.view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
         v = v.view(num_decodes, -1, num_kv_heads, head_dim)[:, :max_len]
         # GQA folded into query rows: each KV head's `group` query heads are its queries [B, kv_heads, group, D],
