@@ -1,5 +1,5 @@
 """The standard process_* metrics (as Prometheus client libraries export them) read from /proc, the engine
-core process's resident memory when it runs apart, and handing the C heap's free pages back (release_free_heap).
+core process's resident memory when it runs apart, and the C heap's policy (keep_freed_heap, release_free_heap).
 
 Standard library only; on a system without /proc it renders nothing.
 """
@@ -28,6 +28,29 @@ def release_free_heap() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def keep_freed_heap() -> bool:
+    """Serve every allocation from glibc's heap and keep what is freed there for the next allocation, until
+    release_free_heap hands it back; False where libc has no mallopt (musl, macOS).
+
+    By default glibc maps each allocation above its mmap threshold (at most 32 MiB) afresh and unmaps it on free,
+    and hands the heap's top back past its trim threshold: every such tensor a CPU step makes is zero-filled by
+    the kernel page by page, at every layer of every step. A 2,048-token prefill of Qwen3-0.6B's shape spent a
+    fifth of its time there (bf16: 7.0 against 5.5 s with both turned off; float32 11.0 against 9.5 s). The
+    engine's idle trim (HeapRelease) still returns a burst's peak once the work is done.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 class HeapRelease:

@@ -21,7 +21,7 @@ from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
-from rawserve.process_stats import release_free_heap
+from rawserve.process_stats import keep_freed_heap, release_free_heap
 
 log = logging.getLogger("rawserve.engine")
 
@@ -211,6 +211,8 @@ class ModelRunner:
         self._num_zeroed = 0  # leading blocks of the pool written with zeros (see _zero_blocks)
         self._logits: torch.Tensor | None = None  # see _logits_out
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # see _gather_out
+        if self.device.type == "cpu":  # from here on a step's large tensors reuse freed heap, not fresh pages
+            keep_freed_heap()
         margin = self._profile_step() if sizes_by_memory and config.kv_cache_memory_gb == "auto" else 0
         self.kv_plan = self._plan(memory.headroom() if sizes_by_memory else None, margin)
         self.num_blocks = self.kv_plan.num_blocks
