@@ -33,7 +33,10 @@ def reference(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, unifor
         ids = x[row].sort(descending=True, stable=True).indices
         p = probs.index_select(0, ids).double()
         running = p.cumsum(dim=0)
-        kept = running - p <= float(options[i, 2]) * float(running[-1])
+        kept = _exclusive(running, 0.0) <= float(options[i, 2]) * float(running[-1])
+        if not bool(kept.any()):  # a NaN row
+            out.append(int(x[row].argmax()))
+            continue
         out.append(int(ids[_pick(running, float(running[kept][-1]), float(uniforms[i]))]))
     return torch.tensor(out, dtype=torch.int64, device=x.device)
 
@@ -91,9 +94,9 @@ def _draw_chunk(raw: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
     cut_ids = _sorted_slices(raw, slices, cut_at)
     totals, found = [], []
     for i, ids in enumerate(cut_ids):
-        p = probs[i].index_select(0, ids).double()
-        run = p.cumsum(dim=0).add_(_before(running[i], int(cut_at[i])))
-        kept = run - p <= float(cut[i])
+        before = _before(running[i], int(cut_at[i]))
+        run = probs[i].index_select(0, ids).double().cumsum(dim=0).add_(before)
+        kept = _exclusive(run, before) <= float(cut[i])  # the first is kept: the slices before it pass no cut
         found.append(bool(kept.any()))  # all but a NaN row, whose masses never compare
         totals.append(float(run[kept][-1]) if found[-1] else 1.0)
     targets = [min(u * total, math.nextafter(total, 0.0)) for u, total in zip(uniforms.tolist(), totals)]
@@ -107,6 +110,11 @@ def _draw_chunk(raw: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
         run = probs[i].index_select(0, ids).double().cumsum(dim=0).add_(_before(running[i], int(draw_at[i])))
         out.append(int(ids[_pick(run, totals[i], uniforms[i].item())]))
     return torch.tensor(out, dtype=torch.int64, device=raw.device)
+
+
+def _exclusive(running: torch.Tensor, start: float) -> torch.Tensor:
+    """A running mass [n] that began at `start` -> the mass before each position (the first's is `start`)."""
+    return torch.cat((running.new_full((1,), start), running[:-1]))
 
 
 def _before(running: torch.Tensor, at: int) -> float:
