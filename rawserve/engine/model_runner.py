@@ -378,9 +378,11 @@ class ModelRunner:
             else:
                 meta.decode_mask = (torch.arange(max_decode_len).unsqueeze(0)
                                     < seq_lens_t[decode_ids].unsqueeze(1))[:, None, None].to(dev)
-            if dev.type == "cpu":  # the largest gather of the step: the decodes' blocks, or one prefill's
-                most = max([decode_blocks.numel()] + [-(-seq_lens[i] // bs) for i in prefill_seq])
-                meta.gather_out = self._gather_out(most)
+            if dev.type == "cpu":  # the largest gather of the step: the decodes' blocks (unless read in place),
+                # or one prefill's
+                decodes = 0 if meta.decode_block_run is not None else decode_blocks.numel()
+                most = max([decodes] + [-(-seq_lens[i] // bs) for i in prefill_seq])
+                meta.gather_out = self._gather_out(most) if most else None
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(batch.logit_indices, dtype=torch.int64, device=dev))

@@ -178,6 +178,7 @@ def test_single_decode_reads_consecutive_blocks_in_place_and_matches_a_gather(ti
             batch = ForwardBatch.last_tokens([StepInput([token], len(ids) + i, table)])
             meta = runner._metadata(batch)[2]
             assert (meta.decode_block_run is not None) == (kind == "in place") and meta.decode_mask is None
+            assert (meta.gather_out is None) == (kind == "in place")  # no buffer for a gather that never runs
             step = runner.execute(batch)
             out.append(step[-1])
             token = int(step[-1].argmax())
