@@ -176,6 +176,16 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+def _has_mallopt() -> bool:
+    import ctypes
+
+    try:
+        return hasattr(ctypes.CDLL(None), "mallopt")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_mallopt(), reason="glibc's mallopt (musl and macOS have none)")
 @pytest.mark.parametrize("policy", ["keep", "default"])
 def test_kept_heap_serves_a_steps_large_tensors_without_fresh_pages(policy):
     # 48 MiB is past glibc's largest mmap threshold: by default each such tensor is a fresh mapping the kernel

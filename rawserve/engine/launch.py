@@ -86,7 +86,8 @@ class _UntrackedPopen(popen_spawn_posix.Popen):
     semaphores and shared memory a process leaves behind, and hands every child its descriptor. The core's pipe
     transport uses neither. A process that does create one (a Queue, for the queue transport; the guided
     decoding pool) still gets a tracker: multiprocessing starts one on the first registration, in that process.
-    This is CPython's _launch (3.8-3.13) with tracker_fd=None, which the child's spawn_main takes as "none yet".
+    This is CPython's _launch (3.10-3.13, see spawn_context) with tracker_fd=None, which the child's spawn_main
+    takes as "none yet".
     """
 
     def _launch(self, process_obj: multiprocessing.process.BaseProcess) -> None:

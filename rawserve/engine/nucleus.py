@@ -37,7 +37,7 @@ def reference(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, unifor
         if not bool(kept.any()):  # a NaN row
             out.append(int(x[row].argmax()))
             continue
-        out.append(int(ids[_pick(running, float(running[kept][-1]), float(uniforms[i]))]))
+        out.append(int(ids[_pick(running, _target(float(uniforms[i]), float(running[kept][-1])))]))
     return torch.tensor(out, dtype=torch.int64, device=x.device)
 
 
@@ -67,10 +67,14 @@ def _tempered(raw: torch.Tensor, options: torch.Tensor) -> tuple[torch.Tensor, t
     return z, kept.softmax(dim=1)
 
 
-def _pick(running: torch.Tensor, total: float, uniform: float) -> int:
-    """Inverse CDF: the first position whose float64 running mass passes uniform * total (< total, as
-    vocab_ops.draw keeps it), clamped to the last position."""
-    target = min(uniform * total, math.nextafter(total, 0.0))
+def _target(uniform: float, total: float) -> float:
+    """Where a uniform in [0, 1) lands on a running mass ending at `total`: uniform * total, kept below the total
+    (it may round up to it), as vocab_ops.draw keeps it."""
+    return min(uniform * total, math.nextafter(total, 0.0))
+
+
+def _pick(running: torch.Tensor, target: float) -> int:
+    """Inverse CDF: the first position whose float64 running mass passes `target`, clamped to the last."""
     where = int(torch.searchsorted(running, torch.tensor([target], dtype=torch.float64), right=True))
     return min(where, running.shape[0] - 1)
 
@@ -99,7 +103,7 @@ def _draw_chunk(raw: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
         kept = _exclusive(run, before) <= float(cut[i])  # the first is kept: the slices before it pass no cut
         found.append(bool(kept.any()))  # all but a NaN row, whose masses never compare
         totals.append(float(run[kept][-1]) if found[-1] else 1.0)
-    targets = [min(u * total, math.nextafter(total, 0.0)) for u, total in zip(uniforms.tolist(), totals)]
+    targets = [_target(u, total) for u, total in zip(uniforms.tolist(), totals)]
     draw_at = (running <= torch.tensor(targets, dtype=torch.float64, device=raw.device).unsqueeze(1)).sum(dim=1)
     draw_ids = _sorted_slices(raw, slices, draw_at.clamp_(max=BUCKETS - 1))
     out = []
@@ -108,7 +112,7 @@ def _draw_chunk(raw: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor
             out.append(int(raw[i].argmax()))  # NaN counts as the largest, as greedy's argmax
             continue
         run = probs[i].index_select(0, ids).double().cumsum(dim=0).add_(_before(running[i], int(draw_at[i])))
-        out.append(int(ids[_pick(run, totals[i], uniforms[i].item())]))
+        out.append(int(ids[_pick(run, targets[i])]))
     return torch.tensor(out, dtype=torch.int64, device=raw.device)
 
 

@@ -28,10 +28,11 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor |
 
     index_select over a 2-D view ([num_blocks, block_size * H * D]): each block is then one contiguous row
     copy, several times faster on CPU than over the 4-D tensor, and 2-4x faster than indexing the view with
-    `[blocks]` (torch 2.13, 9 to 288 blocks, float32 and bf16). A reused `out` matters on a CPU once a
-    gather passes glibc's 32 MiB mmap ceiling (32 decodes of 512 bf16 tokens at 0.6B's 8 x 128 KV): a fresh
-    tensor there is mapped, zero-filled page by page and unmapped at every layer (32 x 1,024 tokens, bf16:
-    gather and attention 75 against 27 ms a layer).
+    `[blocks]` (torch 2.13, 9 to 288 blocks, float32 and bf16). A reused `out` (the runner's, on a CPU) costs no
+    allocation per layer: under glibc's default policy a gather past its mmap ceiling was mapped and zero-filled
+    at every layer (0.6B bf16, 32 x 1,024 tokens: a decode step 868 against 2,290 ms); with the heap the CPU
+    engine keeps (process_stats.keep_freed_heap) most of that is gone, and the reused buffer still saves 2-13%
+    of a 32-sequence step.
     """
     rows = cache.view(cache.shape[0], -1)
     if out is None:
