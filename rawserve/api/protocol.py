@@ -8,6 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rawserve.http.schema import FieldError
+
+# OpenAI's roles whose content is required and never null (its schema: a string, or an array of at least one
+# content part). An assistant's may be null when it has tool_calls; other roles a template knows are passed on.
+_ROLES_WITH_CONTENT = frozenset({"system", "developer", "user", "tool"})
+
 
 @dataclass(slots=True)
 class StreamOptions:
@@ -104,6 +110,20 @@ class ChatMessage:
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    def __post_init__(self) -> None:
+        content, role = self.content, self.role
+        if content is None:
+            if role in _ROLES_WITH_CONTENT:
+                raise FieldError("content", f"Invalid value for '{{param}}': a {role} message needs content (a string "
+                                            "or an array of content parts), but it is missing or null.",
+                                 code="invalid_value")
+            if role == "assistant" and not self.tool_calls:
+                raise FieldError("content", "Invalid value for '{param}': an assistant message needs content unless "
+                                            "it has tool_calls, but it is missing or null.", code="invalid_value")
+        elif content == [] and (role in _ROLES_WITH_CONTENT or role == "assistant"):
+            raise FieldError("content", "Invalid '{param}': empty array. Expected an array with minimum length 1, "
+                                        "but got an empty array instead.", code="empty_array")
 
 
 @dataclass(slots=True)
@@ -207,6 +227,8 @@ class ResponsesRequest(SamplingExtensions):
     previous_response_id: str | None = None
     user: str | None = None
     stream: bool = False
+    include: list[str] | None = None  # extra output data; rawserve has "message.output_text.logprobs"
+    top_logprobs: int | None = None
     # Fields that change the meaning of a request and that rawserve cannot honour: a 400 when set.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None

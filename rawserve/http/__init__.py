@@ -8,11 +8,11 @@ from __future__ import annotations
 from rawserve.http.auth import APIKeyAuth
 from rawserve.http.messages import Headers, JSONResponse, Request, Response, TextResponse
 from rawserve.http.routing import CORSPolicy, Handler, Router
-from rawserve.http.schema import parse
+from rawserve.http.schema import FieldError, parse
 from rawserve.http.server import HTTPServer, bind_socket
 from rawserve.http.sse import SSEResponse
 
 __all__ = [
-    "APIKeyAuth", "CORSPolicy", "Handler", "Headers", "HTTPServer", "JSONResponse", "Request", "Response",
+    "APIKeyAuth", "CORSPolicy", "FieldError", "Handler", "Headers", "HTTPServer", "JSONResponse", "Request", "Response",
     "Router", "SSEResponse", "TextResponse", "bind_socket", "parse",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import struct
 from typing import Callable
@@ -15,7 +16,8 @@ from rawserve.errors import APIError
 from rawserve.http import sse
 from rawserve.http.dispatch import Dispatcher
 from rawserve.http.messages import Request, Response, error_response
-from rawserve.http.protocol import HANDLER, NEED_DATA, NEVER, Close, Dispatch, HTTPProtocol, Write
+from rawserve.http.protocol import (CONTINUE, GONE, HANDLER, NEED_DATA, NEVER, PROBE, Close, Dispatch, HTTPProtocol,
+                                    Write)
 from rawserve.http.routing import Handler
 
 logger = logging.getLogger("rawserve.http")
@@ -25,6 +27,10 @@ _READ_BYTES = 65536
 # the kernel does not answer the client's in-flight bytes with a reset that eats our response.
 LINGER_S = 0.5
 LINGER_BYTES = 256 * 1024
+# A client that half-closed is probed again this often while its answer is pending: one that closed for good
+# after reading the last probe answers only the next write with a reset.
+PROBE_INTERVAL_S = 1.0
+_RESET_EVENTS = getattr(select, "POLLERR", 0) | getattr(select, "POLLHUP", 0)
 
 # Why this connection's task was cancelled by us; None means someone else cancelled it.
 TIMED_OUT = "request deadline"  # the protocol's: idle, header or body timeout
@@ -52,6 +58,11 @@ class Connection:
         # Deadlines are checked by the server's tick (HTTPServer._tick) instead of a TimerHandle
         # per request: arming one is then a float store, which matters at 10k+ requests/s.
         self._write_deadline = NEVER
+        # After the client's EOF, while its answer is pending: the socket polled each tick for the reset a
+        # closed socket answers a probe with (select.poll, or None), and when to probe again.
+        self._reset_poll: select.poll | None = None
+        self._next_probe_at = NEVER
+        self._stream_ping: bytes | None = None  # while a stream's body is open: a ping comment, framed
 
     async def run(self) -> None:
         self._task = asyncio.current_task()
@@ -73,6 +84,8 @@ class Connection:
                         continue
                     kind = action.__class__
                     if kind is Dispatch:
+                        if protocol.has_peer_eof:  # the EOF came before this request was parsed
+                            self.peer_eof()
                         response = await self._call(action.handler, action.request)
                         if isinstance(response, Response):
                             write(protocol.respond(response))
@@ -81,10 +94,12 @@ class Connection:
                             continue
                         head, is_chunked = protocol.start_stream(response)
                         write(head)
+                        self._stream_ping = sse.frame(sse.PING, is_chunked)
                         # A stream is written from here, at the top of this task's await chain:
                         # every token resumes the whole chain, and each level costs ~40 ns a token.
                         protocol.end_stream(await sse.stream(response, transport, self._drain, is_chunked,
-                                                             self._config.sse_ping_interval_s, self._cut_short))
+                                                             self._config.sse_ping_interval_s, self._cut_short,
+                                                             self._body_ending))
                     elif kind is Write:
                         write(action.data)
                     else:
@@ -108,6 +123,8 @@ class Connection:
                     await self._linger()
         finally:
             self._write_deadline = NEVER
+            self._reset_poll = None
+            self._stream_ping = None
             protocol.connection_closed()
             self._close_transport()
 
@@ -132,7 +149,7 @@ class Connection:
             self.stop(EVICTED)
 
     def tick(self, now: float) -> None:
-        """Called by the server every TICK_S: carry out a deadline that passed."""
+        """Called by the server every TICK_S: carry out a deadline that passed; watch a half-closed client."""
         if now >= self._protocol.deadline:
             if self._stop_reason is None:
                 self._expired = self._protocol.tick(now)
@@ -140,11 +157,49 @@ class Connection:
         elif now >= self._write_deadline:
             self._write_deadline = NEVER
             self.stop(WRITE_TIMEOUT)
+        elif self._reset_poll is not None:
+            if self._is_reset():
+                self.peer_gone()
+            elif now >= self._next_probe_at:
+                self.peer_eof()
+
+    def peer_eof(self) -> None:
+        """The transport saw EOF (StreamProtocol calls this). A client that half-closed after its request
+        still gets the answer; whether it closed for good instead, only a write can tell: the probe (a
+        100 Continue before the response, a ping comment in a stream) draws a reset from a closed socket,
+        which tick() then sees."""
+        after = self._protocol.peer_eof()
+        if after is GONE:
+            self.stop(CLIENT_GONE)
+        elif after is not PROBE:  # nothing pending to probe for (a response already written, say)
+            self._reset_poll = None
+            self._next_probe_at = NEVER
+        elif after is PROBE and self._stop_reason is None:
+            probe = CONTINUE if self._protocol.phase is HANDLER else self._stream_ping
+            if probe is not None and not self._transport.is_closing():
+                self._transport.write(probe)  # a 1xx may precede any HTTP/1.1 response (RFC 9110 15.2)
+            self._next_probe_at = self._loop.time() + PROBE_INTERVAL_S
+            if self._reset_poll is None:
+                sock = self._transport.get_extra_info("socket")
+                if sock is not None and hasattr(select, "poll"):
+                    self._reset_poll = select.poll()
+                    self._reset_poll.register(sock.fileno(), select.POLLIN)  # POLLERR and POLLHUP come anyway
 
     def peer_gone(self) -> None:
-        """The transport saw EOF or a reset (StreamProtocol calls this)."""
+        """The transport saw a reset or lost the connection (StreamProtocol calls this), or tick() saw the
+        socket reset."""
+        self._reset_poll = None
         if self._protocol.peer_gone():
             self.stop(CLIENT_GONE)
+
+    def _is_reset(self) -> bool:
+        if self._transport.is_closing():
+            return False
+        return any(events & _RESET_EVENTS for _, events in self._reset_poll.poll(0))
+
+    def _body_ending(self) -> None:
+        """The stream is about to write its end: a ping after it would be taken for the next response."""
+        self._stream_ping = None
 
     def _cut_short(self) -> APIError | None:
         """Asked by a stream we cancel: the error its client is told, or None when it is the client who left."""
@@ -231,16 +286,18 @@ class StreamProtocol(asyncio.StreamReaderProtocol):
 
     def __init__(self, reader: asyncio.StreamReader, accept: Callable, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(reader, lambda r, w: accept(r, w, self), loop=loop)
+        self.on_peer_eof: Callable[[], None] | None = None
         self.on_peer_gone: Callable[[], None] | None = None
 
     def eof_received(self) -> bool:
-        keep_open = super().eof_received()
-        if self.on_peer_gone is not None:
-            self.on_peer_gone()
+        keep_open = super().eof_received()  # True: our half stays open for the answer
+        if self.on_peer_eof is not None:
+            self.on_peer_eof()
         return keep_open
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        self.on_peer_eof = None
         if self.on_peer_gone is not None:
             self.on_peer_gone()
             self.on_peer_gone = None  # the connection is done with; do not keep it alive

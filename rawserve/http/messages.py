@@ -22,6 +22,9 @@ HeaderPairs = Iterable[tuple[str | bytes, str | bytes]]
 # RFC 9110 token characters for a field name; a value may hold anything visible but CR, LF and NUL.
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
+# A request target in absolute-form (RFC 9112 3.2.2): the scheme and authority before the path, which a server
+# must accept though clients send it only to proxies.
+_ABSOLUTE_FORM = re.compile(rb"https?://[^/?#]*", re.IGNORECASE)
 
 
 class Headers:
@@ -111,7 +114,14 @@ class RequestHead:
                            code="http_version_not_supported")
         self.http_version = event.http_version.decode("ascii")
         self.method = event.method.decode("ascii")  # h11 allows token characters only
-        self.path, _, self.query = event.target.decode("latin-1").partition("?")
+        target = event.target
+        if target[:1] != b"/":
+            absolute = _ABSOLUTE_FORM.match(target)
+            if absolute is not None:  # routed by its path and query; an empty path is "/"
+                target = target[absolute.end():]
+                if target[:1] != b"/":
+                    target = b"/" + target
+        self.path, _, self.query = target.decode("latin-1").partition("?")
         self.headers = Headers(raw)
         self.content_length = content_length
         self.is_chunked = is_chunked
@@ -153,6 +163,12 @@ class Request:
             try:
                 value = orjson.loads(self.body)
             except orjson.JSONDecodeError as error:
+                # orjson calls every invalid UTF-8 sequence "surrogates not allowed"; say what is wrong instead.
+                try:
+                    self.body.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    raise APIError(400, f"The request body is not valid UTF-8: byte 0x{self.body[bad.start]:02x} "
+                                        f"at offset {bad.start}.", code="invalid_json") from None
                 raise APIError(400, f"The request body is not valid JSON: {error}.",
                                code="invalid_json") from None
             if not isinstance(value, dict):

@@ -7,6 +7,7 @@ h11 only parses, a fresh h11.Connection per request; response bytes are made by 
 from __future__ import annotations
 
 import enum
+import re
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 import h11
@@ -93,6 +94,24 @@ class Close:
 Action = Union[NeedData, Write, Dispatch, Close]
 
 
+class AfterEOF(enum.Enum):
+    """What the shell does when its transport sees the client's EOF (`peer_eof()`).
+
+    A FIN means only that the client has sent everything: a client that half-closed (shutdown(SHUT_WR))
+    after a whole request still reads the answer. Nor can the FIN tell a half-close from a full close; a
+    write can: a socket closed for good answers it with a reset.
+    """
+
+    READ = "read"  # nothing is being answered: the reads take the EOF, after any bytes sent before it
+    PROBE = "probe"  # a complete request is being answered: go on, write a probe and watch for a reset
+    GONE = "gone"  # an HTTP/1.0 handler runs, and no 1xx may probe a 1.0 client: cancel it as if it left
+
+
+READ, PROBE, GONE = AfterEOF.READ, AfterEOF.PROBE, AfterEOF.GONE
+# The first newline of a head that starts a folded line (obs-fold: SP or HTAB) or ends the head.
+_FOLD_OR_END = re.compile(rb"\n(?:([ \t])|\r?\n)")
+
+
 class _Exchange:
     """One request, from its head to the end of its response; its existence is what counts as busy."""
 
@@ -119,7 +138,8 @@ class HTTPProtocol:
     write; Dispatch, run the handler and pass its response to `respond()` (the bytes to write) or
     `start_stream()` (the head; `end_stream()` after the body); Close, do it and stop. Beside the
     loop: the shell's timer calls `tick(now)` once `deadline` passes and carries out the Close it
-    returns; `peer_gone()` when the transport sees EOF or a reset; `connection_closed()` at the end.
+    returns; `peer_eof()` when the transport sees EOF (the shell does as the AfterEOF it gets says),
+    `peer_gone()` when it sees a reset or loses the connection; `connection_closed()` at the end.
     """
 
     def __init__(self, config: ServerConfig, dispatcher: Dispatcher, clock: Callable[[], float],
@@ -132,9 +152,11 @@ class HTTPProtocol:
         self.deadline = NEVER  # on the clock's scale; armed only while waiting for bytes
         self.num_requests = 0
         self.idle_since = clock()  # when the current wait for a request head began (see is_idle)
-        self.is_peer_gone = False  # the transport saw EOF or a reset, maybe before we read every byte
+        self.is_peer_gone = False  # the transport saw a reset or lost the connection: nobody reads our answer
+        self.has_peer_eof = False  # the transport saw EOF, maybe before we read every byte sent before it
         self._has_input_ended = False  # we consumed the EOF itself: no byte will follow
         self._parser: h11.Connection | None = None  # the current request's
+        self._head: bytes | bytearray = b""  # the bytes fed to the parser since the head began (obs-fold check)
         self._buffer = bytearray()  # bytes past the current request (pipelined), not yet parsed
         self._exchange: _Exchange | None = None
         self._close: Close | None = None
@@ -147,18 +169,39 @@ class HTTPProtocol:
         if data:
             if phase is IDLE and not self._buffer:
                 self._start_head(data)
-            elif phase is HEAD or phase is BODY or phase is DISCARD:
+            elif phase is HEAD:
+                self._parser.receive_data(data)
+                head = self._head
+                if type(head) is not bytearray:  # a head in pieces, rarely: gather them without quadratic copies
+                    head = self._head = bytearray(head)
+                head += data
+            elif phase is BODY or phase is DISCARD:
                 self._parser.receive_data(data)
             elif phase is not CLOSED:
                 self._buffer += data  # read ahead of next_action(): the next request's bytes
             return
-        self.is_peer_gone = self._has_input_ended = True
+        self.has_peer_eof = self._has_input_ended = True
         if phase is BODY or phase is DISCARD:
             self._parser.receive_data(b"")  # h11 then refuses the short body
 
+    def peer_eof(self) -> AfterEOF:
+        """The transport saw EOF; asked again by the shell when it dispatches a request read before it.
+        A half-close before a request is complete ends the connection (the reads see it); one after is
+        not a disconnect: the request is answered, and the shell probes for a full close (AfterEOF)."""
+        self.has_peer_eof = True
+        phase = self.phase
+        if phase is STREAM:
+            return PROBE
+        if phase is HANDLER:
+            if self._exchange.head.http_version == "1.1":
+                return PROBE
+            self.is_peer_gone = True
+            return GONE
+        return READ
+
     def peer_gone(self) -> bool:
-        """The transport saw EOF or a reset. True when a handler or its response is in progress:
-        the shell must cancel it (that is what aborts its engine request). Otherwise the EOF
+        """The transport saw a reset or lost the connection. True when a handler or its response is in
+        progress: the shell must cancel it (that is what aborts its engine request). Otherwise the EOF
         arrives through receive_data() after the bytes the client pipelined before leaving."""
         self.is_peer_gone = True
         phase = self.phase
@@ -269,6 +312,7 @@ class HTTPProtocol:
     def _start_head(self, data: bytes) -> None:
         parser = self._parser = h11.Connection(h11.SERVER, max_incomplete_event_size=self._config.max_header_bytes)
         parser.receive_data(data)
+        self._head = data
         self.phase = HEAD
         self.deadline = NEVER  # the idle wait is over; the head's own starts if it is incomplete
 
@@ -279,6 +323,14 @@ class HTTPProtocol:
             return self._refuse(APIError(error.error_status_hint, f"Malformed request: {error}.", code="bad_request"))
         if type(event) is h11.Request:
             self.deadline = NEVER
+            head, self._head = self._head, b""
+            fold = _FOLD_OR_END.search(head)
+            if fold is not None and fold.group(1) is not None:
+                # h11 unfolds obs-fold into a space; RFC 9112 5.2 lets a server do that or refuse with 400.
+                # Refused: a proxy in front may have read the folded line as a header of its own.
+                return self._refuse(APIError(400, "Obsolete line folding (a header line that starts with a space "
+                                                  "or a tab) is not accepted; send each header on one line.",
+                                             code="bad_request"))
             return self._admit(event)
         if self._has_input_ended:  # closed halfway through a head: nobody to answer
             return self._shut(b"", linger=False)
@@ -345,6 +397,7 @@ class HTTPProtocol:
         parser = self._parser
         exchange = self._exchange
         limit = self._config.max_body_bytes
+        is_chunked = exchange.head.is_chunked
         while True:
             try:
                 event = parser.next_event()
@@ -360,6 +413,12 @@ class HTTPProtocol:
             elif kind is h11.EndOfMessage:
                 break
             elif event is h11.NEED_DATA:
+                # A chunk that declares more than the body may hold is refused at its size line, not left
+                # to wait for bytes that will be refused (or never sent) until the body deadline.
+                declared = exchange.body_size + _chunk_remaining(parser) if is_chunked else 0
+                if declared > limit:
+                    return self._refuse(APIError(413, f"The request body's chunk sizes declare at least {declared} "
+                                                      f"bytes; the limit is {limit}.", code="request_too_large"))
                 if self.deadline == NEVER:
                     self.deadline = self._clock() + self._config.body_timeout_s
                 return NEED_DATA
@@ -377,7 +436,9 @@ class HTTPProtocol:
         # Without a body h11's EndOfMessage is certain; not asking for it saves a tenth of the parse.
         # (Bytes after a request that closes the connection are dropped by the close: _shut.)
         self._buffer += self._parser.trailing_data[0]
-        if self.is_peer_gone:  # the client left before its handler could start: it would run for no one
+        # The client left before its handler could start: it would run for no one. After an EOF, an
+        # HTTP/1.1 client is probed once its handler runs (peer_eof); a 1.0 client cannot be.
+        if self.is_peer_gone or (self.has_peer_eof and exchange.head.http_version != "1.1"):
             return self._shut(b"", linger=False)
         self.phase = HANDLER
         return Dispatch(exchange.handler, exchange.request)
@@ -406,9 +467,18 @@ class HTTPProtocol:
         self.phase = CLOSED
         self.deadline = NEVER
         self._parser = None
+        self._head = b""
         self._buffer.clear()
-        close = self._close = Close(data, linger and not self.is_peer_gone)
+        # A client that sent EOF has no bytes left in flight to be reset by: lingering would wait for nothing.
+        close = self._close = Close(data, linger and not self.is_peer_gone and not self.has_peer_eof)
         return close
+
+
+def _chunk_remaining(parser: h11.Connection) -> int:
+    """Bytes the chunk being read still declares (0 between chunks). h11 keeps the count private; were it to
+    go, this reads 0 and a chunked body is refused as its bytes arrive, as it was before."""
+    remaining = getattr(getattr(parser, "_reader", None), "_bytes_in_chunk", 0)
+    return remaining if type(remaining) is int else 0
 
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:

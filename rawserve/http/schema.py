@@ -23,6 +23,17 @@ _KIND_NAMES = {_NONE: "null", bool: "a boolean", int: "an integer", float: "a nu
                list: "an array", dict: "an object"}
 
 
+class FieldError(ValueError):
+    """Raised by a schema dataclass's __post_init__ about one of its own fields: parse() answers 400 with
+    `param` the field's whole path (`messages.2.content`), which `message` may show as `{param}`."""
+
+    def __init__(self, field: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+        self.code = code
+
+
 def parse(cls: type[T], obj: Any) -> T:
     """Build `cls` (a dataclass) from decoded JSON `obj`; APIError 400 naming the param on a mismatch."""
     if not dataclasses.is_dataclass(cls):
@@ -46,6 +57,16 @@ def _kind(value: Any) -> str:
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def _past_int64(value: Any) -> bool:
+    """orjson decodes an integer outside [-2**63, 2**64) as a float: such a value was an integer, out of range."""
+    return type(value) is float and value.is_integer() and not -(1 << 63) < value < (1 << 64)  # (-2**63 - 1 rounds)
+
+
+def _out_of_range(path: str, value: float) -> APIError:
+    return APIError(400, f"Invalid value for '{path}': {value:.0f} is out of range for a 64-bit integer.",
+                    param=path or None, code="invalid_value")
 
 
 def _type_error(path: str, expected: str, value: Any) -> APIError:
@@ -98,6 +119,8 @@ def _build(tp: Any) -> Converter:
     if tp is int:
         def integer(value: Any, path: str) -> int:
             if type(value) is not int:  # `type is`, so True and 1.0 are refused
+                if _past_int64(value):
+                    raise _out_of_range(path, value)
                 raise _type_error(path, "an integer", value)
             return value
         return integer
@@ -195,6 +218,8 @@ def _build_union(tp: Any) -> Converter:
     def union(value: Any, path: str) -> Any:
         candidates = by_kind.get(type(value))
         if not candidates:
+            if int in by_kind and _past_int64(value):
+                raise _out_of_range(path, value)
             raise _type_error(path, expected, value)
         if len(candidates) == 1:
             return candidates[0](value, path)
@@ -244,6 +269,9 @@ def _build_dataclass(cls: type) -> Converter:
                                code="missing_required_parameter")
         try:
             return cls(**kwargs)
+        except FieldError as error:
+            where = _join(path, error.field)
+            raise APIError(400, error.message.replace("{param}", where), param=where, code=error.code) from None
         except ValueError as error:  # a cross-field check in __post_init__
             raise APIError(400, str(error), param=path or None) from None
     return build

@@ -169,8 +169,8 @@ class HTTPServer:
 
     def _on_signal(self, sig: int) -> None:
         self._num_signals += 1
-        if self._num_signals == 1:
-            logger.warning("%s: draining (send it again to stop at once)", signal.Signals(sig).name)
+        if self._num_signals == 1:  # the ordinary way to stop a server (an orchestrator, Ctrl-C): info, not a warning
+            logger.info("%s: draining (send it again to stop at once)", signal.Signals(sig).name)
             self._shutdown_task = asyncio.get_running_loop().create_task(self.shutdown())
         else:
             logger.warning("second signal %s: stopping at once", signal.Signals(sig).name)
@@ -261,6 +261,7 @@ class HTTPServer:
         if isinstance(getattr(writer.transport, "max_size", None), int):  # selector transports
             writer.transport.max_size = _RECV_BYTES
         connection = Connection(reader, writer, self.config, self._dispatcher)
+        protocol.on_peer_eof = connection.peer_eof
         protocol.on_peer_gone = connection.peer_gone
         self._connections[connection] = asyncio.current_task()
         if self._ticker is None:

@@ -108,7 +108,8 @@ class _Pinger:
 
 async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain: Callable[[], Awaitable[None]],
                  is_chunked: bool, ping_interval_s: float,
-                 cancel_error: Callable[[], APIError | None] | None = None) -> bool:
+                 cancel_error: Callable[[], APIError | None] | None = None,
+                 body_ending: Callable[[], None] | None = None) -> bool:
     """Write every event (and wait after it while the client is behind, so a slow client slows only
     itself), then `[DONE]` and the end of the body. True when the stream ended cleanly; False when
     a failure went out as an error event (the caller then closes the connection). Cancellation
@@ -121,6 +122,8 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
 
     `cancel_error()`, asked when the stream is cancelled, says whether the client is still there to be told
     why (the server shutting down): then its error event, `[DONE]` and the end of the body go out first.
+    `body_ending()` is called just before the end of the body is written: the connection writes into a
+    stream (a probe) only before it.
     """
     events, named = response.events, response.named
     write, buffered, dumps = transport.write, transport.get_write_buffer_size, orjson.dumps
@@ -150,6 +153,8 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
             error = cancel_error() if cancel_error is not None else None
             if error is not None:  # ended by us, not by the client: it gets a proper ending
                 write(frame(encode_error(error, named), is_chunked))
+                if body_ending is not None:
+                    body_ending()
                 if named:
                     if is_chunked:
                         write(b"0\r\n\r\n")
@@ -163,6 +168,8 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
                 logger.exception("SSE event iterator failed after the stream started")
             write(frame(encode_error(error, named), is_chunked))
             ok = False
+        if body_ending is not None:
+            body_ending()
         if named:
             if is_chunked:
                 write(b"0\r\n\r\n")

@@ -114,3 +114,54 @@ async def test_the_server_object_binds_before_it_starts_the_engine(demo_dir):
         assert app.llm.info is None and app.llm._client.worker is None  # the core never started
     finally:
         holder.close()
+
+
+# --- Message content as OpenAI's schema has it (issue 33, item 6) -----------------------------------------
+# system, developer, user and tool: a string or an array of at least one part, never null or missing; an
+# assistant's content may be null only when it has tool_calls.
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("message, code", [
+    ({"role": "user", "content": None}, "invalid_value"),
+    ({"role": "user"}, "invalid_value"),
+    ({"role": "user", "content": []}, "empty_array"),
+    ({"role": "system", "content": None}, "invalid_value"),
+    ({"role": "system", "content": []}, "empty_array"),
+    ({"role": "developer", "content": None}, "invalid_value"),
+    ({"role": "developer", "content": []}, "empty_array"),
+    ({"role": "tool", "tool_call_id": "c1", "content": None}, "invalid_value"),
+    ({"role": "tool", "tool_call_id": "c1", "content": []}, "empty_array"),
+    ({"role": "assistant", "content": None}, "invalid_value"),
+    ({"role": "assistant"}, "invalid_value"),
+    ({"role": "assistant", "content": [], "tool_calls": [CALL]}, "empty_array"),
+])
+def test_a_message_without_content_is_a_400_naming_its_content(server, message, code):
+    messages = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "again"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, body = post(server, path, {**CHAT, "messages": messages})
+        assert status == 400, body
+        error = body["error"]
+        assert error["param"] == "messages.1.content" and error["code"] == code, error
+        assert error["type"] == "invalid_request_error" and "'messages.1.content'" in error["message"]
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "user", "content": ""},  # an empty string is a string
+    {"role": "user", "content": [{"type": "text", "text": "a"}]},
+])
+def test_content_that_openai_accepts_is_accepted(server, message):
+    messages = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "again"}]
+    status, body = post(server, "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert status == 200, body
+
+
+def test_a_responses_function_call_item_still_becomes_an_assistant_turn(server):
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "12"}]
+    status, body = post(server, "/v1/responses", {"model": "demo", "input": items, "max_output_tokens": 2})
+    assert status == 200, body

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import orjson
 import pytest
 
 from rawserve.errors import APIError
-from rawserve.http import JSONResponse, Request, Response, Router, TextResponse
+from rawserve.http import JSONResponse, Request, Response, Router, SSEResponse, TextResponse
 from tests.http.harness import RawClient, build_request, client, serve
 
 
@@ -394,3 +395,118 @@ async def test_handler_that_swallows_its_cancellation_still_loses_the_connection
                 break
             await asyncio.sleep(0.01)
         assert server.num_connections == 0 and server.num_in_flight == 0
+
+
+# --- RFC 9112 corners (issue 33, item 5) ----------------------------------------------------------------
+
+
+async def test_absolute_form_request_target_is_routed_by_its_path():
+    async with serve(echo_router()) as server, client(server.port) as c:
+        await c.send(f"POST http://127.0.0.1:{server.port}/echo?x=1 HTTP/1.1\r\nHost: t\r\n"
+                     "Content-Length: 2\r\n\r\nhi".encode())
+        reply = await c.read_reply()
+        assert reply.status == 200 and reply.json()["path"] == "/echo" and reply.json()["query"] == "x=1"
+        assert reply.json()["body"] == "hi"
+
+
+def half_close_router() -> Router:
+    async def slow(request: Request) -> Response:
+        await asyncio.sleep(0.2)  # the client's FIN arrives while this runs
+        return JSONResponse({"body": request.body.decode()})
+
+    async def stream(request: Request) -> SSEResponse:
+        async def events():
+            for i in range(4):
+                await asyncio.sleep(0.05)
+                yield {"i": i}
+        return SSEResponse(events())
+
+    router = Router()
+    router.add("POST", "/slow", slow)
+    router.add("GET", "/stream", stream)
+    return router
+
+
+async def test_a_client_that_half_closes_after_its_request_still_gets_the_answer():
+    async with serve(half_close_router()) as server, client(server.port) as c:
+        await c.send(build_request("POST", "/slow", b'{"q": 1}'))
+        c.writer.write_eof()  # shutdown(SHUT_WR): the request is complete, the client still reads
+        reply = await c.read_reply()
+        assert reply.status == 200 and reply.json() == {"body": '{"q": 1}'}
+        assert reply.informational in ([], [100])  # a probe for a full close may come first
+        assert await c.is_closed()  # nothing more can come from this client: the server closes after
+
+
+async def test_a_request_sent_with_its_fin_in_one_go_is_answered():
+    async with serve(half_close_router()) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(build_request("POST", "/slow", b"x"))
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(3)
+            data = await asyncio.get_running_loop().run_in_executor(None, _read_all, sock)
+        assert b"HTTP/1.1 200 " in data and data.endswith(b'{"body":"x"}')
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    out = bytearray()
+    while chunk := sock.recv(65536):
+        out += chunk
+    return bytes(out)
+
+
+async def test_a_stream_to_a_half_closed_client_runs_to_done():
+    async with serve(half_close_router()) as server, client(server.port) as c:
+        await c.send(build_request("GET", "/stream"))
+        c.writer.write_eof()
+        reply = await c.read_reply()
+        assert reply.status == 200
+        assert [line for line in reply.body.split(b"\n\n") if line.startswith(b"data:")] == [
+            b'data: {"i":0}', b'data: {"i":1}', b'data: {"i":2}', b'data: {"i":3}', b"data: [DONE]"]
+        assert await c.is_closed()
+
+
+async def test_a_half_close_before_the_request_is_complete_ends_the_connection():
+    calls: list[Request] = []
+    async with serve(echo_router(calls)) as server, client(server.port) as c:
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
+        c.writer.write_eof()
+        data = await c.read_until_closed()
+        assert data == b"" or data.startswith(b"HTTP/1.1 400 ")
+    assert calls == []
+
+
+async def test_chunk_size_over_the_body_limit_gets_413_at_once():
+    calls: list[Request] = []
+    async with serve(echo_router(calls), max_body_bytes=1000, body_timeout_s=10) as server, \
+            client(server.port) as c:
+        started = time.monotonic()
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFF\r\nab")
+        reply = await c.read_reply()
+        assert reply.status == 413 and reply.json()["error"]["code"] == "request_too_large"
+        assert time.monotonic() - started < 1.0  # not after the body timeout
+        assert await c.is_closed()
+    assert calls == []
+
+
+async def test_obs_fold_header_line_gets_400_and_close():
+    calls: list[Request] = []
+    async with serve(echo_router(calls)) as server, client(server.port) as c:
+        await c.send(b"GET /echo HTTP/1.1\r\nHost: t\r\nUser-Agent: ua\r\n\tfolded/1\r\n\r\n")
+        reply = await c.read_reply()
+        assert reply.status == 400 and "folding" in reply.json()["error"]["message"]
+        assert reply.headers["connection"] == "close"
+    assert calls == []
+
+
+@pytest.mark.parametrize("body", [b'{"a": "\xff"}', b'{"a": "\xed\xa0\x80"}', b'{"a": "caf\xc3"}'])
+async def test_invalid_utf8_in_a_json_body_says_so(body):
+    async def takes_json(request: Request) -> Response:
+        return JSONResponse(request.json())
+
+    router = Router()
+    router.add("POST", "/j", takes_json)
+    async with serve(router) as server, client(server.port) as c:
+        reply = await c.request("POST", "/j", body=body)
+        error = reply.json()["error"]
+        assert reply.status == 400 and "body is not valid UTF-8" in error["message"], error
+        assert "surrogates" not in error["message"] and error["type"] == "invalid_request_error"

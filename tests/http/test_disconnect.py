@@ -221,3 +221,43 @@ async def test_a_slow_reader_within_the_write_timeout_gets_the_whole_stream():
             await asyncio.sleep(0.05)  # reads in slow sips, but never stalls for the whole timeout
             data += await asyncio.wait_for(c.reader.read(256 * 1024), 3)
         assert data.count(b'"blob"') == 40 and b"data: [DONE]" in data
+
+
+async def test_a_client_that_half_closed_and_then_closed_for_good_is_cancelled_at_the_next_probe():
+    """The probe's 100 Continue was read, so the later close sends nothing; the next probe draws a reset."""
+    from rawserve.http.connection import PROBE_INTERVAL_S
+
+    probe = Probe()
+    async with serve(waiting_router(probe)) as server:
+        async with client(server.port) as c:
+            await c.send(build_request("GET", "/unary"))
+            c.writer.write_eof()  # half-closed: the handler goes on
+            await probe.started.wait()
+            assert await c.read_raw(25) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await asyncio.sleep(0.2)
+            assert probe.cancelled_at is None  # a half-close alone is not leaving
+            closed_at = time.monotonic()
+        for _ in range(int(PROBE_INTERVAL_S * 100) + 50):
+            if probe.cancelled_at is not None and server.num_connections == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert probe.cancelled_at is not None and probe.cancelled_at - closed_at < PROBE_INTERVAL_S + 0.2
+        assert server.num_in_flight == 0
+
+
+async def test_a_half_closed_stream_client_that_resets_is_cancelled_within_100ms():
+    probe = Probe()
+    async with serve(waiting_router(probe)) as server:
+        async with client(server.port) as c:
+            await c.send(build_request("GET", "/stream"))
+            c.writer.write_eof()
+            await c.read_raw()
+            await probe.started.wait()
+            await asyncio.sleep(0.05)
+            assert probe.cancelled_at is None
+            sock = c.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            closed_at = time.monotonic()
+            c.writer.transport.abort()
+        await wait_for_cancel(probe, server)
+        assert probe.cancelled_at - closed_at < 0.1

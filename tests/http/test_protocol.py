@@ -9,7 +9,8 @@ import pytest
 from rawserve.config import ServerConfig
 from rawserve.http import APIKeyAuth, CORSPolicy, JSONResponse, Request, Response, Router, SSEResponse
 from rawserve.http.dispatch import Dispatcher
-from rawserve.http.protocol import CONTINUE, NEED_DATA, NEVER, Close, Dispatch, HTTPProtocol, Phase, Write
+from rawserve.http.protocol import (CONTINUE, NEED_DATA, NEVER, AfterEOF, Close, Dispatch, HTTPProtocol, Phase,
+                                    Write)
 from tests.http.harness import build_request
 
 
@@ -259,15 +260,54 @@ def test_eof_halfway_through_a_body_gets_400_without_lingering():
     assert parse(close.data)[0] == 400 and not close.linger and dispatcher.num_in_flight == 0
 
 
-def test_bytes_before_an_eof_get_early_answers_but_run_no_handler():
+def test_requests_before_a_half_close_are_all_answered_then_the_connection_closes():
     protocol, _, _ = make()
     protocol.next_action()
     protocol.receive_data(build_request("GET", "/nope") + build_request("GET", "/a"))
-    protocol.receive_data(b"")  # the client half-closed after sending both
+    protocol.receive_data(b"")  # the client half-closed after sending both: it still reads the answers
     write = protocol.next_action()
     assert isinstance(write, Write) and parse(write.data)[0] == 404
-    close = protocol.next_action()  # /a would run for no one
+    dispatch = protocol.next_action()
+    assert isinstance(dispatch, Dispatch) and dispatch.request.path == "/a"
+    assert protocol.peer_eof() is AfterEOF.PROBE  # the shell probes for a full close while /a runs
+    assert parse(protocol.respond(JSONResponse({})))[0] == 200
+    close = protocol.next_action()
     assert isinstance(close, Close) and close.data == b"" and not close.linger
+
+
+def test_eof_before_a_request_is_complete_still_ends_the_connection():
+    protocol, dispatcher, _ = make()
+    assert feed(protocol, b"POST /a HTTP/1.1\r\nHost: t\r\n") is NEED_DATA
+    assert protocol.peer_eof() is AfterEOF.READ  # the reads take it
+    protocol.receive_data(b"")
+    close = protocol.next_action()
+    assert isinstance(close, Close) and close.data == b"" and dispatcher.num_in_flight == 0
+
+
+def test_eof_seen_by_the_transport_before_the_request_is_read_still_dispatches_it():
+    protocol, _, _ = make()
+    protocol.next_action()
+    assert protocol.peer_eof() is AfterEOF.READ  # the transport got request and FIN before we parsed a byte
+    protocol.receive_data(build_request("POST", "/a", b'{"x": 1}'))
+    dispatch = protocol.next_action()
+    assert isinstance(dispatch, Dispatch) and dispatch.request.body == b'{"x": 1}'
+    assert protocol.has_peer_eof and protocol.peer_eof() is AfterEOF.PROBE
+
+
+def test_eof_while_an_http10_handler_runs_is_a_disconnect():
+    protocol, _, _ = make()
+    assert isinstance(feed(protocol, b"GET /a HTTP/1.0\r\n\r\n"), Dispatch)
+    assert protocol.peer_eof() is AfterEOF.GONE  # no 1xx may probe a 1.0 client
+    assert protocol.is_peer_gone
+
+
+def test_eof_during_a_stream_is_probed_and_after_the_response_is_left_to_the_reads():
+    protocol, _, _ = make()
+    feed(protocol, build_request("GET", "/a"))
+    protocol.start_stream(SSEResponse(_events()))
+    assert protocol.peer_eof() is AfterEOF.PROBE
+    protocol.end_stream(True)
+    assert protocol.peer_eof() is AfterEOF.READ and not protocol.is_peer_gone
 
 
 def test_peer_leaving_cancels_a_running_handler_only():
@@ -344,3 +384,58 @@ def test_clean_stream_keeps_the_connection():
     protocol.start_stream(SSEResponse(_events()))
     protocol.end_stream(is_clean=True)
     assert protocol.next_action() is NEED_DATA and protocol.deadline != NEVER
+
+
+@pytest.mark.parametrize("target, path, query", [
+    (b"http://127.0.0.1:8000/a?x=1", "/a", "x=1"),
+    (b"HTTPS://example.com/a", "/a", ""),
+    (b"http://example.com:80/b", "/b", ""),
+])
+def test_absolute_form_target_is_routed_by_its_path_and_query(target, path, query):
+    protocol, _, _ = make()
+    action = feed(protocol, b"GET " + target + b" HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert isinstance(action, Dispatch) and action.handler is (echo if path == "/a" else other)
+    assert (action.request.path, action.request.query_string) == (path, query)
+
+
+@pytest.mark.parametrize("target", [b"http://example.com", b"http://example.com?x=1"])
+def test_absolute_form_target_without_a_path_is_for_the_root(target):
+    protocol, _, _ = make()
+    status, _, body = parse(feed(protocol, b"GET " + target + b" HTTP/1.1\r\nHost: t\r\n\r\n").data)
+    assert status == 404 and b"(GET /)" in body
+
+
+def test_chunk_size_over_the_body_limit_gets_413_at_its_size_line():
+    protocol, dispatcher, _ = make()  # max_body_bytes=1000
+    head = b"POST /a HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    close = feed(protocol, head + b"FFFFFFFFFFFF\r\n")
+    assert isinstance(close, Close), close  # not NEED_DATA until the body deadline
+    assert parse(close.data)[0] == 413 and dispatcher.num_in_flight == 0
+
+    protocol, _, _ = make()  # the sum counts: a second chunk that would pass the limit, with a few bytes sent
+    close = feed(protocol, head + b"258\r\n" + b"x" * 600 + b"\r\n258\r\nxyz")
+    assert isinstance(close, Close) and parse(close.data)[0] == 413
+
+    protocol, _, _ = make()  # at the limit exactly, the chunk is awaited as before
+    assert feed(protocol, head + b"3E8\r\nxy") is NEED_DATA
+
+
+@pytest.mark.parametrize("fold", [b" folded", b"\tfolded"])
+def test_obs_fold_header_line_gets_400(fold):
+    protocol, dispatcher, _ = make()
+    close = feed(protocol, b"GET /a HTTP/1.1\r\nHost: t\r\nX-A: one\r\n" + fold + b"\r\n\r\n")
+    status, _, body = parse(close.data)
+    assert isinstance(close, Close) and status == 400 and b"folding" in body and dispatcher.num_in_flight == 0
+
+    protocol, _, _ = make()  # the same head in pieces, the fold in the second
+    assert feed(protocol, b"GET /a HTTP/1.1\r\nHost: t\r\nX-A: one\r\n") is NEED_DATA
+    protocol.receive_data(fold + b"\r\n\r\n")
+    assert parse(protocol.next_action().data)[0] == 400
+
+
+def test_spaces_and_tabs_in_a_body_are_not_taken_for_obs_fold():
+    protocol, _, _ = make()
+    body = b'{\n  "a":\n\t1}'
+    action = feed(protocol, build_request("POST", "/a", body, headers=[("X-A", "one  two")]))
+    assert isinstance(action, Dispatch) and action.request.body == body
+    assert action.request.headers["x-a"] == "one  two"
