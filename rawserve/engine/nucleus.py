@@ -58,8 +58,10 @@ def draw_nucleus(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uni
 
 def _tempered(raw: torch.Tensor, options: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> [R, V] logits over each row's temperature, and their probabilities after min-p's cut (as the sorted
-    path: min-p first, top-p over what it keeps). Softmax keeps a row on one thread (see vocab_ops.probs_at)."""
-    z = raw / options[:, 0:1]
+    path: min-p first, top-p over what it keeps). Softmax keeps a row on one thread (see vocab_ops.probs_at).
+    Shifted so each row's largest is 0 before the division, as the sampler's candidates are: a small temperature
+    would otherwise overflow logits to inf, and inf - inf is NaN."""
+    z = (raw - raw.amax(dim=1, keepdim=True)).div_(options[:, 0:1])
     min_p = options[:, 3:4]
     kept = z
     if bool((min_p > 0).any()):

@@ -2,7 +2,8 @@
 
 The entry points (the API, the offline LLM) call these, and the core calls the same ones as its defensive check.
 A broken rule raises RuleError naming the field; the API only translates it into OpenAI's shape. Seam: standard
-library only. Field rules that need no context are SamplingParams.validate's (engine/types.py).
+library only. Field rules that need no context are SamplingParams.validate's (engine/types.py); this module names
+SamplingParams for type checking only, and types.py imports nothing from here, so the two never import each other.
 """
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, vocab_si
     core checks again on arrival (its params may have been changed after construction)."""
     check_prompt_ids(prompt_ids, vocab_size)
     check_token_types(params)
-    params.validate(vocab_size)
+    params.validate()
+    check_params_vocab(params, vocab_size)
     check_one_sample(params)
     check_context(len(prompt_ids), params.max_tokens, max_model_len)

@@ -5,21 +5,38 @@ Torch ops over [rows, vocab] tensors, never a Python loop over the vocabulary; i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from rawserve.engine import nucleus, vocab_ops
 from rawserve.engine.request import Request
-from rawserve.engine.types import TokenLogprob
+from rawserve.engine.types import FLOAT32_MAX, TokenLogprob
+
+log = logging.getLogger("rawserve.engine.sampler")
 
 _NEG_INF = float("-inf")
 
 
 @dataclass(slots=True)
 class SampleOutput:
-    token_ids: list[int]  # one per row
+    token_ids: list[int]  # one per row (-1 for a failed row)
     logprobs: list[TokenLogprob | None] | None  # per row (None for rows that did not ask); None if no row did
+    # Rows whose sampling raised even alone: row -> the exception. The caller fails those requests alone.
+    failed: dict[int, Exception] = field(default_factory=dict)
+
+
+class SamplingFault(RuntimeError):
+    """A row's sampling went wrong without an exception of its own (a token outside the vocabulary)."""
+
+
+@dataclass(slots=True)
+class _Applied:
+    """The in-place processors a batch got through before a fault, so that a row retried alone applies each of
+    its own exactly once (min_tokens' ban may be applied twice: it only writes -inf)."""
+    bias: bool = False  # every row's logit_bias (one op for the batch)
+    penalties: set[int] = field(default_factory=set)  # rows whose penalties are in
 
 
 def token_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
@@ -99,27 +116,85 @@ class Sampler:
         may_overwrite lets the sampler apply min_tokens, logit_bias and penalties in the caller's tensor
         instead of a copy (EngineCore's logits are fresh each step): at a 150k vocabulary a copy of every row
         is a large part of a CPU step. Temperature and truncation never write to the logits.
+
+        A fault in the batch (an exception, or a token outside the vocabulary) is narrowed down by sampling its
+        rows one at a time: the rows that fail alone come back in `failed`, the others with the tokens and
+        logprobs the batch would have given them (each row draws the uniform it drew for the batch, and the
+        penalty counts change only once a row's sampling is through).
         """
         assert logits.shape[0] == len(reqs), (logits.shape, len(reqs))
+        sampled = [i for i, r in enumerate(reqs) if r.params.temperature != 0]
+        # Drawn before anything that may fail: a row retried alone draws with the same uniform.
+        uniforms = self._uniforms(reqs, sampled) if sampled else None
         wants_logprobs = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        penalty_rows = None
         raw_rows = None  # the logprob rows as they came, when processors are about to change them in place
-        if all(r.is_plain_greedy for r in reqs):
-            tokens = vocab_ops.argmax(logits) if self.fast else logits.argmax(dim=-1)  # [B]
-        else:
+        work = None  # the rows processors may write to; None: every row is plain greedy
+        if not all(r.is_plain_greedy for r in reqs):
             work = logits
             if any(r.bias_ids or r.needs_penalties or r.min_tokens_ban for r in reqs):
                 if not may_overwrite:
                     work = logits.clone()
                 elif wants_logprobs:
                     raw_rows = logits.index_select(0, torch.tensor(wants_logprobs, device=logits.device))
-            tokens, penalty_rows = self._sample_general(work, reqs)
-        if penalty_rows is not None:
+        applied = _Applied()
+        try:
+            return self._sample_batch(logits, work, raw_rows, reqs, sampled, uniforms, wants_logprobs, applied)
+        except Exception as error:  # noqa: BLE001 - one row's values must not fail the batch: rows alone, below
+            if len(reqs) == 1:
+                return SampleOutput([-1], None, {0: error})
+            log.warning("sampling a batch of %d failed (%r); sampling its rows one at a time", len(reqs), error)
+        return self._sample_alone(logits, work, raw_rows, reqs, sampled, uniforms, wants_logprobs, applied)
+
+    def _sample_batch(self, logits: torch.Tensor, work: torch.Tensor | None, raw_rows: torch.Tensor | None,
+                      reqs: list[Request], sampled: list[int], uniforms: torch.Tensor | None,
+                      wants_logprobs: list[int], applied: _Applied) -> SampleOutput:
+        penalty_rows = None
+        if work is None:
+            tokens = vocab_ops.argmax(logits) if self.fast else logits.argmax(dim=-1)  # [B]
+        else:
+            tokens, penalty_rows = self._sample_general(work, reqs, sampled, uniforms, applied)
+        token_ids = tokens.tolist()
+        vocab = logits.shape[1]
+        if any(not 0 <= t < vocab for t in token_ids):  # never written since the draws fall back; kept as a guard
+            raise SamplingFault(f"a row drew a token outside the vocabulary ({vocab}): {token_ids}")
+        logprobs = self._logprobs(logits, raw_rows, tokens, reqs, wants_logprobs) if wants_logprobs else None
+        if penalty_rows is not None:  # last: a fault before it leaves every row's counts as they were
             slots, rows = penalty_rows
             ones = torch.ones(len(slots), dtype=torch.int32, device=self.device)
             self._counts.index_put_((slots, tokens.index_select(0, rows)), ones, accumulate=True)
-        logprobs = self._logprobs(logits, raw_rows, tokens, reqs, wants_logprobs) if wants_logprobs else None
-        return SampleOutput(tokens.tolist(), logprobs)
+        return SampleOutput(token_ids, logprobs)
+
+    def _sample_alone(self, logits: torch.Tensor, work: torch.Tensor | None, raw_rows: torch.Tensor | None,
+                      reqs: list[Request], sampled: list[int], uniforms: torch.Tensor | None,
+                      wants_logprobs: list[int], applied: _Applied) -> SampleOutput:
+        """After a fault in the batch: each row sampled as a batch of one, from the logits as the batch left them
+        (`applied` says which of its processors are already in), with the uniform it drew for the batch."""
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        failed: dict[int, Exception] = {}
+        for i, req in enumerate(reqs):
+            one = slice(i, i + 1)
+            row_uniforms = None
+            if i in sampled:
+                j = sampled.index(i)
+                row_uniforms = uniforms[j:j + 1]
+            row_raw = None
+            if raw_rows is not None and i in wants_logprobs:
+                j = wants_logprobs.index(i)
+                row_raw = raw_rows[j:j + 1]
+            row_applied = _Applied(applied.bias, {0} if i in applied.penalties else set())
+            row_work = None if work is None or req.is_plain_greedy else work[one]
+            try:
+                out = self._sample_batch(logits[one], row_work, row_raw, [req], [0] if row_uniforms is not None else [],
+                                         row_uniforms, [0] if i in wants_logprobs else [], row_applied)
+            except Exception as error:  # noqa: BLE001 - this row's fault: the caller fails its request alone
+                failed[i] = error
+                tokens.append(-1)
+                continue
+            tokens.append(out.token_ids[0])
+            if out.logprobs is not None:
+                logprobs[i] = out.logprobs[0]
+        return SampleOutput(tokens, logprobs if wants_logprobs else None, failed)
 
     def release(self, req: Request) -> None:
         """Give back a finished request's penalty row."""
@@ -127,9 +202,11 @@ class Sampler:
             self._free_slots.append(req.penalty_slot)
             req.penalty_slot = -1
 
-    def _sample_general(self, x: torch.Tensor, reqs: list[Request]
+    def _sample_general(self, x: torch.Tensor, reqs: list[Request], sampled: list[int],
+                        uniforms: torch.Tensor | None, applied: _Applied
                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """x: [B, V] logits; min_tokens, logit_bias and penalties are applied to it in place."""
+        """x: [B, V] logits; min_tokens, logit_bias and penalties are applied to it in place (those `applied`
+        does not hold yet). sampled: the rows with a temperature, uniforms: one per sampled row."""
         dev = self.device
 
         # Processors in vLLM's order: min_tokens, logit_bias, then penalties; all apply to greedy rows too.
@@ -148,26 +225,25 @@ class Sampler:
                 rows.extend([i] * len(r.bias_ids))
                 cols.extend(r.bias_ids)
                 values.extend(r.bias_values)
-        if rows:
+        if rows and not applied.bias:
             x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                          torch.tensor(values, dtype=x.dtype, device=dev), accumulate=True)
+        applied.bias = True
         penalty_rows = None
         penalized = [i for i, r in enumerate(reqs) if r.needs_penalties]
         if penalized:
-            penalty_rows = self._apply_penalties(x, penalized, reqs)
+            penalty_rows = self._apply_penalties(x, penalized, reqs, applied.penalties)
 
-        sampled = [i for i, r in enumerate(reqs) if r.params.temperature != 0]
         if not self.fast:
             tokens = x.argmax(dim=-1)
             if sampled:
                 rows_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
-                uniforms = self._uniforms(reqs, sampled)
                 tokens[rows_t] = self._draw_uncovered(x, rows_t, self._options(reqs, sampled), uniforms)
             return tokens, penalty_rows
         maxima = vocab_ops.block_maxima(x)  # [B, ceil(V / BLOCK)]: the one pass over every row
         tokens = vocab_ops.argmax(x, maxima)  # greedy rows' tokens; sampled rows' are written over them
         if sampled:
-            self._sample_rows(x, maxima, reqs, sampled, tokens)
+            self._sample_rows(x, maxima, reqs, sampled, uniforms, tokens)
         return tokens, penalty_rows
 
     def _uniforms(self, reqs: list[Request], rows: list[int]) -> torch.Tensor:
@@ -191,10 +267,9 @@ class Sampler:
         return table
 
     def _sample_rows(self, x: torch.Tensor, maxima: torch.Tensor, reqs: list[Request], sampled: list[int],
-                     tokens: torch.Tensor) -> None:
+                     uniforms: torch.Tensor, tokens: torch.Tensor) -> None:
         """Write a token for each row in `sampled` into tokens, choosing each row's path (see the class)."""
         dev, vocab = self.device, x.shape[1]
-        uniforms = self._uniforms(reqs, sampled)
         options = self._options(reqs, sampled)  # [S, 4]
         sampled_t = torch.tensor(sampled, dtype=torch.int64, device=dev)
         k_rows = [j for j, i in enumerate(sampled) if reqs[i].params.top_k > 0]
@@ -211,8 +286,9 @@ class Sampler:
         full += probe
         if whole:
             picked = torch.tensor(whole, dtype=torch.int64, device=dev)
-            tokens[sampled_t.index_select(0, picked)] = _draw_whole(
-                x, sampled_t.index_select(0, picked), options.index_select(0, picked), uniforms.index_select(0, picked))
+            rows_x = sampled_t.index_select(0, picked)
+            tokens[rows_x] = _draw_whole(x, rows_x, options.index_select(0, picked), uniforms.index_select(0, picked),
+                                         maxima.index_select(0, rows_x).amax(dim=1))
         if full:
             picked = torch.tensor(sorted(full), dtype=torch.int64, device=dev)
             rows_x = sampled_t.index_select(0, picked)
@@ -256,7 +332,8 @@ class Sampler:
             tied = (values >= last).sum(dim=1)  # [C]: k, and the ties at the k-th value after it
             widths = torch.where(finite, tied, widths)
             tie_covered = (tied < num) | (num == vocab) | ~finite
-        whole = vocab_ops.probs_at(x, rows_x, opts[:, 0], ids) if probe_width else None
+        # values[:, 0], the row's largest logit, is where the tempered row is shifted to 0 (see _truncate_and_draw)
+        whole = vocab_ops.probs_at(x, rows_x, opts[:, 0], ids, values[:, 0]) if probe_width else None
         where, covered = _truncate_and_draw(values, widths, opts, whole, uniforms.index_select(0, picked))
         if not probe_width:
             covered = tie_covered
@@ -285,27 +362,36 @@ class Sampler:
             out[start:end] = ids.gather(1, where.unsqueeze(1)).squeeze(1)
         return out
 
-    def _apply_penalties(self, x: torch.Tensor, rows: list[int], reqs: list[Request]
+    def _apply_penalties(self, x: torch.Tensor, rows: list[int], reqs: list[Request], done: set[int]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Repetition (HF: over prompt and output, divide positive logits, multiply negative ones), then
-        frequency and presence (OpenAI: over generated tokens only, subtracted)."""
+        frequency and presence (OpenAI: over generated tokens only, subtracted). Rows in `done` already have
+        them; each row is added to it once its penalties are in. -> (slots, rows) of every row in `rows`."""
         dev = self.device
         slots = torch.tensor([self._slot(reqs[i]) for i in rows], dtype=torch.int64, device=dev)  # [P]
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [P]
-        factors = torch.tensor([(reqs[i].params.repetition_penalty, reqs[i].params.frequency_penalty,
-                                 reqs[i].params.presence_penalty) for i in rows],
-                               dtype=torch.float32, device=dev)  # [P, 3]
+        todo = [j for j, i in enumerate(rows) if i not in done]  # positions in `rows`
+        if not todo:
+            return slots, rows_t
+        todo_t = torch.tensor(todo, dtype=torch.int64, device=dev)
+        todo_slots, todo_rows = slots.index_select(0, todo_t), rows_t.index_select(0, todo_t)
+        factors = torch.tensor([(reqs[rows[j]].params.repetition_penalty, reqs[rows[j]].params.frequency_penalty,
+                                 reqs[rows[j]].params.presence_penalty) for j in todo],
+                               dtype=torch.float32, device=dev)  # [T, 3]
         # In row chunks: each pass makes [rows, V] temporaries (float, int32 and bool), about six of them.
-        for i in range(0, len(rows), vocab_ops.ROW_CHUNK):
+        for i in range(0, len(todo), vocab_ops.ROW_CHUNK):
             part = slice(i, i + vocab_ops.ROW_CHUNK)
             repetition, frequency, presence = (f.unsqueeze(1) for f in factors[part].unbind(dim=1))  # each [p, 1]
-            counts = self._counts.index_select(0, slots[part])  # [p, V]
+            counts = self._counts.index_select(0, todo_slots[part])  # [p, V]
             seen = counts > 0
-            sub = x.index_select(0, rows_t[part])  # [p, V]
-            occurred = seen | self._prompt_mask.index_select(0, slots[part])
+            sub = x.index_select(0, todo_rows[part])  # [p, V]
+            occurred = seen | self._prompt_mask.index_select(0, todo_slots[part])
+            # A small penalty divides a logit past float32's range: held at its largest, never inf (inf - inf
+            # is NaN once the temperature's shift subtracts the row's max)
             sub = torch.where(occurred, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-            sub = sub - frequency * counts - presence * seen
-            x.index_copy_(0, rows_t[part], sub)
+            sub = (sub - frequency * counts - presence * seen).clamp_(max=FLOAT32_MAX)
+            x.index_copy_(0, todo_rows[part], sub)
+            done.update(rows[j] for j in todo[part])
         return slots, rows_t
 
     def _slot(self, req: Request) -> int:
@@ -368,7 +454,9 @@ def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torc
     """
     temperature, top_p, min_p = options[:, 0:1], options[:, 2:3], options[:, 3:4]  # each [R, 1]
     num = values.shape[1]
-    z = values / temperature  # [R, N]
+    # Shifted so the largest is 0 before dividing: values / a small temperature overflow to inf (a temperature
+    # of 1e-37 and a logit of 10), and softmax then takes inf - inf = NaN. Shifted, every value is <= 0.
+    z = (values - values[:, :1]) / temperature  # [R, N]
     # Each pass below runs only when some row needs it: on a sorted whole vocabulary each is a full pass.
     if int(widths.min()) < num:
         z.masked_fill_(torch.arange(num, device=values.device) >= widths.unsqueeze(1), _NEG_INF)
@@ -388,14 +476,17 @@ def _truncate_and_draw(values: torch.Tensor, widths: torch.Tensor, options: torc
     return vocab_ops.draw(weights, uniforms), covered
 
 
-def _draw_whole(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def _draw_whole(x: torch.Tensor, rows: torch.Tensor, options: torch.Tensor, uniforms: torch.Tensor,
+                row_max: torch.Tensor) -> torch.Tensor:
     """Rows with neither top_k nor top_p keep their whole vocabulary (less min-p's cut): a draw in vocabulary
-    order needs no sort. In row chunks; -> [len(rows)] token ids."""
+    order needs no sort. row_max: [len(rows)] each row's largest logit (the shift, as in _truncate_and_draw).
+    In row chunks; -> [len(rows)] token ids."""
     out = torch.empty(rows.shape[0], dtype=torch.int64, device=x.device)
     for start in range(0, rows.shape[0], vocab_ops.ROW_CHUNK):
         end = start + vocab_ops.ROW_CHUNK
         opts = options[start:end]
-        weights = (x.index_select(0, rows[start:end]) / opts[:, 0:1]).softmax(dim=1)  # [R, V]
+        shifted = x.index_select(0, rows[start:end]).sub_(row_max[start:end].unsqueeze(1))
+        weights = shifted.div_(opts[:, 0:1]).softmax(dim=1)  # [R, V]
         if bool((opts[:, 3] > 0).any()):  # min-p
             weights.masked_fill_(weights < weights.amax(dim=1, keepdim=True) * opts[:, 3:4], 0.0)
         out[start:end] = vocab_ops.draw(weights, uniforms[start:end])

@@ -6,14 +6,27 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.rules import check_params_vocab
 from rawserve.text.stop import normalize_stop
 
 MAX_LOGPROBS = 20
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = 0, (1 << 64) - 1  # a torch.Generator's seed is an unsigned 64-bit integer
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_TOP_K = (1 << 31) - 1  # any top_k past the vocabulary keeps it all; past this it is not a count but a typo
+# The sampler works in float32. A temperature or a divisor below float32's smallest normal number is 0 or subnormal
+# there: logits / it overflow to inf and inf - inf is NaN. Temperatures down there are greedy by rule; a repetition
+# penalty there (or past float32's largest) is refused.
+FLOAT32_TINY = 2.0 ** -126
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class RequestFailed(RuntimeError):
+    """The core failed this request alone, in its sampling, logits processing or grammar (the core lives on).
+    The client sees a server error (500), not a rule it broke."""
 
 # One token's logprobs: (token_id, logprob, rank, ((top_id, top_logprob), ...)).
 # rank is 1 for the most likely token. The distribution is the model's raw log-softmax over the
@@ -42,6 +55,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Special tokens decoded all the same (the output parsers' markers); the front end's, like `stop`.
+    keep_special_tokens: tuple[str, ...] = ()
     # A grammar the output must match (built by the front end; plain lists, so it pickles).
     guided: CompiledGrammar | None = None
 
@@ -50,13 +65,17 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        temperature = self.temperature
+        if type(temperature) in (int, float) and 0 < temperature < FLOAT32_TINY:
+            self.temperature = 0.0  # greedy by rule: 0 or subnormal in the sampler's float32 (see FLOAT32_TINY)
         self.validate()
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the field. With vocab_size, also check token ids against it.
+    def validate(self) -> None:
+        """Raise ValueError naming the field.
 
-        The owner of every rule a field obeys on its own; rules that need the engine's numbers are
-        engine/rules.py's. Runs at construction, and again in the core (params may change after it).
+        The owner of every rule a field obeys on its own; rules that need the engine's numbers (the token ids
+        inside the vocabulary, the context) are engine/rules.py's. Runs at construction, and again in the core
+        (params may change after it).
         """
         def bad(name: str, message: str) -> None:
             raise ValueError(f"{name}: {message}")
@@ -65,21 +84,32 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 bad(name, f"must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(name, f"must be a number, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):  # (a huge int compares exactly below)
+                bad(name, f"must be a finite number, got {value}")
         if self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")
         if self.max_tokens < 0:
             # 0 is a scoring request: the prompt is computed (with its prompt_logprobs) and nothing is sampled
             bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if 0 < self.temperature < FLOAT32_TINY:  # construction makes these 0; only a later change gets here
+            bad("temperature", f"{self.temperature} is below float32's smallest normal number ({FLOAT32_TINY:.4g}); "
+                               "use 0 for greedy")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad("top_k", f"must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:  # construction made -1 (disabled) 0
+            bad("top_k", f"out of range: must be -1 or 0 (disabled) or 1 to {MAX_TOP_K}, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            # It divides logits: 0 or subnormal in float32 would make them inf (and NaN further on)
+            bad("repetition_penalty", f"must be > 0 and a normal float32 number (from {FLOAT32_TINY:.4g} to "
+                                      f"{FLOAT32_MAX:.4g}), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
@@ -89,15 +119,17 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                bad(name, f"must be an integer or None, got {value!r}")
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.guided is not None and not isinstance(self.guided, CompiledGrammar):
             bad("guided", f"must be a CompiledGrammar, got {type(self.guided).__name__}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", f"must be an integer, got {self.seed!r}")
         normalize_stop(self.stop)
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            bad("seed", f"must fit in 64 bits, got {self.seed}")
+            bad("seed", f"out of range: must be in [{SEED_MIN}, 2**64 - 1], got {self.seed}")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", "each stop token id must be an integer")
         if self.logit_bias:
@@ -108,8 +140,6 @@ class SamplingParams:
                     bad("logit_bias", f"bias for token {token_id} must be a number, got {bias!r}")
                 if not -100 <= bias <= 100:
                     bad("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
-        if vocab_size is not None:
-            check_params_vocab(self, vocab_size)
 
     @property
     def is_greedy(self) -> bool:
@@ -150,13 +180,15 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id (a stop string is set by the frontend)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # finish_reason "error": why the core failed this request alone (the frontend raises RequestFailed)
+    error: str | None = None
 
 
 @dataclass(slots=True)

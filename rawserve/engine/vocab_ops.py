@@ -101,26 +101,38 @@ def ties_by_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
     return values, ids.gather(1, order)
 
 
-def probs_at(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Probabilities of tokens `ids` [R, N] under softmax(x[row] / scale) over the whole row, for x's rows
-    `rows` [R] and divisors `scale` [R]; in row chunks (ROW_CHUNK). Through softmax, not exp or logsumexp:
+def probs_at(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor,
+             shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities of tokens `ids` [R, N] under softmax((x[row] - shift) / scale) over the whole row, for x's
+    rows `rows` [R], divisors `scale` [R] and each row's largest logit `shift` [R] (subtracted first, so a small
+    divisor cannot overflow a logit to inf; found here when None); in row chunks (ROW_CHUNK). Through softmax, not exp or logsumexp:
     with two threads on a busy CPU those fan a single row out to OpenMP threads and stall for a scheduler
     tick (16 ms measured, even at 2,048 entries), while softmax keeps a row on one thread."""
     out = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
     for start in range(0, rows.shape[0], ROW_CHUNK):
         end = start + ROW_CHUNK
-        row_probs = (x.index_select(0, rows[start:end]) / scale[start:end].unsqueeze(1)).softmax(dim=1)
+        row = x.index_select(0, rows[start:end])
+        row.sub_(row.amax(dim=1, keepdim=True) if shift is None else shift[start:end].unsqueeze(1))
+        row_probs = row.div_(scale[start:end].unsqueeze(1)).softmax(dim=1)
         out[start:end] = row_probs.gather(1, ids[start:end])
     return out
 
 
 def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw, one uniform in [0, 1) per row: weights [R, N] >= 0 (not normalised) -> [R] column
-    indices, each drawn with probability weights / row sum. A column of weight 0 is never drawn."""
+    indices, each drawn with probability weights / row sum. A column of weight 0 is never drawn, but in a row
+    with no positive finite total (NaN weights from NaN logits, or nothing kept), which takes its largest weight
+    (NaN counting as the largest, as argmax does): always a column inside the row."""
     cumulative = weights.cumsum(dim=1)  # not cumsum_: torch's in-place form runs several times slower
     totals = cumulative[:, -1]
     # u < 1, but u * total may round up to the total: stay strictly below it, so some column passes
     targets = torch.minimum(uniforms * totals, torch.nextafter(totals, torch.zeros_like(totals))).unsqueeze(1)
     # The first column whose running sum passes the target; a zero-weight column repeats the sum before it,
     # so it is never the first to pass.
-    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    where = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    # A NaN total passes no target: searchsorted says N, one past the row (issue 33's "index 2048 is out of
+    # bounds for dimension 1 with size 2048", which failed the step for every request)
+    broken = ~(totals > 0) | totals.isinf()
+    if bool(broken.any()):
+        where[broken] = weights[broken].argmax(dim=1)
+    return where

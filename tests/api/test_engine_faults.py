@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.api.demo_server import serve_demo
+from tests.api.demo_server import exchange, serve_demo
 from tests.api.test_openai_server import demo_dir, raw  # noqa: F401 - demo_dir is a fixture
 from tests.spawned import listening_port
 
@@ -161,3 +161,45 @@ def test_sigterm_under_load_ends_streams_past_the_drain_timeout_with_an_error_ev
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ----- issue 33 item 1: a sampling value must never kill the engine for everyone
+
+@pytest.fixture(scope="module")
+def sampling_server():
+    """Its own server (the one above has its core stopped and killed): the demo model, a spawned core."""
+    yield from serve_demo(dict(num_kv_blocks=256, max_model_len=1024), dict(engine_mode="process", log_requests=False))
+
+
+def chat(server, **fields) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 8, **fields}
+    status, _, payload = exchange(server, "/v1/chat/completions", body)
+    return status, json.loads(payload)
+
+
+def test_temperature_1e_300_is_greedy_by_rule_and_the_engine_serves_on(sampling_server):
+    greedy = chat(sampling_server, temperature=0, logprobs=True, top_logprobs=5)
+    for fields in (dict(temperature=1e-300), dict(temperature=1e-300, logprobs=True, top_logprobs=5),
+                   dict(temperature=1e-45), dict(temperature=1e-39), dict(temperature=1e-37, top_p=0.5)):
+        status, body = chat(sampling_server, **fields)
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == greedy[1]["choices"][0]["message"]["content"]
+    status, body = chat(sampling_server, repetition_penalty=1e-300)
+    assert status == 400 and body["error"]["param"] == "repetition_penalty", body
+    status, body = chat(sampling_server, temperature=0.7, seed=3)  # a normal request after them
+    assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+    assert not sampling_server.app.llm.is_dead
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    (dict(temperature=3), "temperature", "must be in [0, 2]"), (dict(temperature=1e18), "temperature", "[0, 2]"),
+    (dict(seed=-1), "seed", "out of range"), (dict(seed=2 ** 64), "seed", "out of range"),
+    (dict(seed=-2 ** 63 - 1), "seed", "out of range"),
+    (dict(top_k=-2), "top_k", "out of range"), (dict(top_k=2 ** 40), "top_k", "out of range"),
+    (dict(top_k=2 ** 70), "top_k", "out of range"),
+])
+def test_out_of_range_sampling_values_are_400s_saying_so(sampling_server, fields, param, words):
+    status, body = chat(sampling_server, **fields)
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error", error

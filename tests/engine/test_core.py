@@ -337,7 +337,8 @@ def mutated(**fields) -> SamplingParams:
     (dict(params=SamplingParams(stop_token_ids=(300,))), "stop_token_ids: token id 300 is outside"),
     (dict(params=mutated(logit_bias={"5": 1.0})), "logit_bias: token ids must be integers"),
     (dict(params=SamplingParams(max_tokens=250)), "max_tokens: the prompt's 10 tokens plus max_tokens 250"),
-    (dict(params=mutated(seed=1 << 70)), "seed: must fit in 64 bits"),
+    (dict(params=mutated(seed=1 << 70)), "seed: out of range"),
+    (dict(params=mutated(temperature=1e-300)), "temperature: 1e-300 is below float32's smallest normal"),
     (dict(priority="high"), "priority: must be an integer"),
     (dict(params={"max_tokens": 3}), "params: expected SamplingParams"),
 ])
