@@ -8,6 +8,7 @@ last event has gone out (or its client left), so the total time is the client's.
 """
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import time
@@ -60,6 +61,10 @@ def logged(handler: Handler, is_enabled: bool = True) -> Handler:
             log_error(request, record, error)
             if is_enabled:
                 _access(request, record, error.status)
+            raise
+        except asyncio.CancelledError:  # the client left (or a deadline or shutdown cut it): nothing was answered
+            if is_enabled:
+                _access(request, record, 499)  # nginx's "client closed request", not a 500 of ours
             raise
         except BaseException:  # the connection logs the traceback and answers 500; we count the line
             if is_enabled:

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 from collections.abc import Callable
 
 from rawserve import __version__
@@ -13,10 +15,13 @@ from rawserve.api.chat import render_prompt
 from rawserve.api.protocol import (ChatRequest, DetokenizeRequest, LoadLoraAdapterRequest, TokenizeRequest,
                                    UnloadLoraAdapterRequest)
 from rawserve.api.serving import ServingContext, model_not_found
+from rawserve.engine.frontend.async_llm import LoraOpError
 from rawserve.errors import APIError, EngineDead
 from rawserve.http import JSONResponse, Request, Router, TextResponse, parse
 from rawserve.metrics import CONTENT_TYPE
 
+
+log = logging.getLogger("rawserve.api.lora")
 
 TOKENIZE_MAX_TOKENS = 1 << 17  # /tokenize's limit when the context is shorter
 
@@ -48,8 +53,37 @@ async def retrieve_model(ctx: ServingContext, request: Request) -> JSONResponse:
     return JSONResponse(lora_card(ctx, model) if model in ctx.loras else model_card(ctx))
 
 
+def _check_runtime_updates(ctx: ServingContext, request: Request) -> None:
+    """Without --allow-runtime-lora-updating the routes answer as paths that do not exist, as vLLM's (which it
+    does not register without VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    if not (ctx.llm.info or {}).get("lora_runtime_updating"):
+        raise APIError(404, f"Invalid URL ({request.method} {request.path}).", code="not_found")
+
+
+# One answer for every path the server will not load, whatever the reason (outside --lora-root, missing, not a
+# directory, not a regular file, too large, not a valid adapter): a client learns nothing of the file system.
+# The reason goes to the server's log.
+LORA_PATH_REFUSED = "The LoRA adapter could not be loaded from lora_path (see the server's log for why)."
+
+
+def _log_load(name: str, path: str, task: asyncio.Future) -> None:
+    """The load's outcome in the server's log, whether or not its client is still there to be answered; reading
+    the task's exception here also keeps a load whose client left from logging 'Task exception was never retrieved'."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is None:
+        log.info("lora: adapter %r loaded from %r", name, path)
+    elif isinstance(error, LoraOpError):
+        log.warning("lora: loading adapter %r from %r failed: %s", name, path, error)
+    elif not isinstance(error, EngineDead):
+        log.error("lora: loading adapter %r from %r failed", name, path, exc_info=error)
+
+
 async def load_lora_adapter(ctx: ServingContext, request: Request) -> TextResponse:
-    """Read, check and register an adapter in the core; a bad directory is a 400 naming what is wrong."""
+    """Read, check and register an adapter in the core (only with --allow-runtime-lora-updating, only from under
+    --lora-root). A path it cannot load gets LORA_PATH_REFUSED, whatever the reason."""
+    _check_runtime_updates(ctx, request)
     req = parse(LoadLoraAdapterRequest, request.json())
     name = req.lora_name
     if not name or not req.lora_path:
@@ -57,14 +91,29 @@ async def load_lora_adapter(ctx: ServingContext, request: Request) -> TextRespon
                        param="lora_name" if not name else "lora_path")
     if name == ctx.model_name or name in ctx.loras:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+
     async def load_and_register() -> None:
         await ctx.llm.lora_op("load", name, req.lora_path)
         ctx.loras[name] = req.lora_path
 
-    try:  # shielded: a client that leaves mid-load must not leave the core with an adapter we do not list
-        await asyncio.shield(asyncio.ensure_future(load_and_register()))
-    except (ValueError, KeyError) as error:
-        raise APIError(400, str(error).strip("'\""), param="lora_path") from None
+    # Shielded: a client that leaves mid-load must not leave the core with an adapter we do not list. The load
+    # goes on and _log_load reports how it ended.
+    task = asyncio.ensure_future(load_and_register())
+    task.add_done_callback(functools.partial(_log_load, name, req.lora_path))
+    try:
+        await asyncio.shield(task)
+    except LoraOpError as error:
+        if error.code == "name":
+            raise APIError(400, str(error), param="lora_name") from None
+        if error.code == "busy":
+            raise APIError(503, "Too many LoRA adapter loads are in progress; try again later.",
+                           code="lora_loads_busy") from None
+        if error.code == "timeout":
+            raise APIError(400, "Loading the LoRA adapter took too long and was given up.", param="lora_path",
+                           code="lora_load_timeout") from None
+        if error.code == "disabled":
+            raise APIError(404, f"Invalid URL ({request.method} {request.path}).", code="not_found") from None
+        raise APIError(400, LORA_PATH_REFUSED, param="lora_path") from None
     except EngineDead as error:
         raise APIError(503, f"The engine is dead: {error}", code="engine_dead") from None
     return TextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -72,6 +121,7 @@ async def load_lora_adapter(ctx: ServingContext, request: Request) -> TextRespon
 
 async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResponse:
     """New requests for it are refused at once; the core drops it when its last request ends."""
+    _check_runtime_updates(ctx, request)
     req = parse(UnloadLoraAdapterRequest, request.json())
     name = req.lora_name
     if name not in ctx.loras:
@@ -81,6 +131,8 @@ async def unload_lora_adapter(ctx: ServingContext, request: Request) -> TextResp
         await asyncio.shield(asyncio.ensure_future(ctx.llm.lora_op("unload", name)))  # as for a load
     except KeyError:
         raise model_not_found(name, "lora_name") from None
+    except LoraOpError as error:
+        raise APIError(400, str(error), param="lora_name") from None
     except EngineDead as error:
         raise APIError(503, f"The engine is dead: {error}", code="engine_dead") from None
     return TextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

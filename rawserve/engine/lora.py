@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import re
+import stat
+import time
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import torch
 import torch.nn.functional as F
 
-from rawserve.engine.loader import CheckpointError, ModelConfig, read_safetensors_header, read_tensor_into
+from rawserve.engine.loader import CheckpointError, ModelConfig, TensorEntry, read_tensor_into
 
 # PEFT's module names -> (rawserve's fused linear, part index within it).
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -40,9 +44,19 @@ MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
 FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; a bigger one is not PEFT's
+# The dtypes PEFT saves LoRA weights in; float32 is the widest, so it bounds the bytes a weight file may hold.
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_MAX_ELEMENT_BYTES = 4
+# A header entry is ~150 bytes (name, dtype, shape, offsets); this leaves room for long prefixes and metadata.
+_HEADER_BYTES_PER_TENSOR = 512
+_HEADER_SLACK_BYTES = 4096
+
 
 class LoraError(CheckpointError):
-    """An adapter that cannot be loaded onto this base model; the message names the file, field or tensor."""
+    """An adapter that cannot be loaded onto this base model; the message names the file, field or tensor.
+
+    It may name paths and values from the file: it is for the operator's log, never for an untrusted client."""
 
 
 def part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -67,63 +81,191 @@ class LoraAdapter:
         return sorted({module for _, module in self.weights})
 
 
-def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
-    root = pathlib.Path(path)
-    if not root.is_dir():
-        raise LoraError(f"{root}: not a directory")
-    config_file = root / "adapter_config.json"
+def _show(value: object, limit: int = 80) -> str:
+    """A value from the file for a message: its repr, cut short (a 1 MiB string must not become a log line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def resolve_under_root(path: str, root: str) -> str:
+    """The real directory `path` names, taken relative to `root` unless absolute, with every symlink resolved;
+    LoraError unless it lies under root's own real path."""
     try:
-        conf = json.loads(config_file.read_text(encoding="utf-8"))
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(os.path.join(real_root, path))
+    except (OSError, ValueError) as error:  # a NUL byte, a name too long
+        raise LoraError(f"{path!r}: not a usable path ({error})") from None
+    if not _is_under(real, real_root):
+        raise LoraError(f"{path!r}: resolves to {real}, outside --lora-root {real_root}")
+    return real
+
+
+def _open_regular(path: str, max_bytes: int, root: str | None) -> tuple[BinaryIO, int]:
+    """Open a regular file of at most max_bytes for reading: (file, size). A FIFO, a device, a directory or a socket
+    is refused before anything is read from it, so a load can neither block on it nor read without end.
+
+    With `root` (a client's path), the file must resolve under it: a symlink out of the root is refused, one inside it
+    (a Hugging Face cache snapshot's) is followed."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO swapped in after the stat opens at once
+    if root is not None:
+        real = os.path.realpath(path)
+        if not _is_under(real, root):
+            raise LoraError(f"{path}: a symlink to {real}, outside --lora-root {root}")
+        path, flags = real, flags | os.O_NOFOLLOW  # resolved already: a symlink swapped in since is refused
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise LoraError(f"{path}: not a regular file")
+        fd = os.open(path, flags)
     except FileNotFoundError:
-        raise LoraError(f"{config_file}: file is missing") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise LoraError(f"{config_file}: not valid JSON ({error})") from None
+        raise LoraError(f"{path}: file is missing") from None
+    except OSError as error:
+        raise LoraError(f"{path}: cannot open ({error})") from None
+    try:
+        info = os.fstat(fd)  # what was opened, which a rename since the stat may have changed
+        if not stat.S_ISREG(info.st_mode):
+            raise LoraError(f"{path}: not a regular file")
+        if info.st_size > max_bytes:
+            raise LoraError(f"{path}: {info.st_size} bytes; at most {max_bytes} are read for this file")
+        return os.fdopen(fd, "rb", buffering=0), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_config(file: str, root: str | None) -> dict:
+    f, _ = _open_regular(file, MAX_CONFIG_BYTES, root)
+    try:
+        with f:
+            data = f.read(MAX_CONFIG_BYTES + 1)  # the file may have grown since the fstat
+        if len(data) > MAX_CONFIG_BYTES:
+            raise LoraError(f"{file}: more than {MAX_CONFIG_BYTES} bytes")
+        conf = json.loads(data.decode("utf-8"))
+    except OSError as error:
+        raise LoraError(f"{file}: cannot read ({error})") from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise LoraError(f"{file}: not valid JSON ({_show(str(error))})") from None
     if not isinstance(conf, dict):
-        raise LoraError(f"{config_file}: expected a JSON object")
+        raise LoraError(f"{file}: expected a JSON object")
+    return conf
+
+
+def _read_header(f: BinaryIO, size: int, file: pathlib.Path, max_header: int, max_tensors: int) -> list[TensorEntry]:
+    """The safetensors header of an open weight file, its length checked against `max_header` before it is read
+    and every tensor checked to lie inside the file."""
+    prefix = f.read(8)
+    header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if header_len < 2 or 8 + header_len > size:
+        raise LoraError(f"{file}: not a safetensors file (header of {header_len} bytes in a {size}-byte file)")
+    if header_len > max_header:
+        raise LoraError(f"{file}: a safetensors header of {header_len} bytes; an adapter for this model needs at "
+                        f"most {max_header}")
+    raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise LoraError(f"{file}: unreadable safetensors header ({_show(str(error))})") from None
+    if not isinstance(header, dict) or len(header) > max_tensors + 1:  # + __metadata__
+        raise LoraError(f"{file}: a safetensors header that is not an object of at most {max_tensors} tensors")
+    entries = []
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise LoraError(f"{file}: tensor {_show(name)} has an unreadable header entry or a dtype other than "
+                            f"{', '.join(_DTYPES)}") from None
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise LoraError(f"{file}: tensor {_show(name)} has a negative shape or offset")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise LoraError(f"{file}: tensor {_show(name)} has {end - begin} bytes for shape {_show(shape)}")
+        if base + end > size:
+            raise LoraError(f"{file}: tensor {_show(name)} ends at byte {base + end} of a {size}-byte file")
+        entries.append(TensorEntry(name, file, dtype, shape, base + begin, end - begin))
+    return entries
+
+
+def weight_limits(cfg: ModelConfig, rank: int) -> tuple[int, int, int]:
+    """(tensors, header bytes, file bytes) at most in a rank-`rank` adapter's safetensors file for this model: A and
+    B of every module of every layer, in float32. A file past these is refused before its tensors are read."""
+    max_tensors = cfg.num_layers * len(MODULES) * 2
+    max_header = _HEADER_SLACK_BYTES + max_tensors * _HEADER_BYTES_PER_TENSOR
+    max_data = cfg.num_layers * sum(rank * (in_f + out_f) for in_f, out_f in part_shapes(cfg).values())
+    return max_tensors, max_header, 8 + max_header + max_data * _MAX_ELEMENT_BYTES
+
+
+def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank: int, *, root: str | None = None,
+                 deadline: float | None = None) -> LoraAdapter:
+    """Read and check a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+
+    Only regular files are read, and only as many bytes as an adapter of its rank can need on this model.
+    `root` (a client's load): `path` is taken relative to it and must resolve under it. `deadline` (monotonic
+    seconds): the read stops with a LoraError once it has passed."""
+    if root is not None:
+        root = os.path.realpath(root)
+        path = resolve_under_root(str(path), root)
+    directory = pathlib.Path(path)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(directory).st_mode)
+    except (OSError, ValueError):
+        is_dir = False
+    if not is_dir:
+        raise LoraError(f"{directory}: not a directory")
+    config_file = directory / "adapter_config.json"
+    conf = _read_config(str(config_file), root)
     peft_type = conf.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise LoraError(f"{config_file}: peft_type {peft_type!r} is not supported (only LORA)")
+        raise LoraError(f"{config_file}: peft_type {_show(peft_type)} is not supported (only LORA)")
     if conf.get("modules_to_save"):
-        raise LoraError(f"{config_file}: modules_to_save {conf['modules_to_save']!r} is not supported "
+        raise LoraError(f"{config_file}: modules_to_save {_show(conf['modules_to_save'])} is not supported "
                         "(it replaces whole base-model weights, which a shared batch cannot do per row)")
     for key in ("use_dora", "rank_pattern", "alpha_pattern", "layers_to_transform"):
         if conf.get(key):
             raise LoraError(f"{config_file}: {key} is not supported")
     if conf.get("bias", "none") != "none":
-        raise LoraError(f"{config_file}: bias {conf['bias']!r} is not supported (only 'none')")
+        raise LoraError(f"{config_file}: bias {_show(conf['bias'])} is not supported (only 'none')")
     rank, alpha = conf.get("r"), conf.get("lora_alpha")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise LoraError(f"{config_file}: r must be a positive integer, got {rank!r}")
+        raise LoraError(f"{config_file}: r must be a positive integer, got {_show(rank)}")
     if rank > max_rank:
         raise LoraError(f"{config_file}: r={rank} exceeds --max-lora-rank {max_rank}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise LoraError(f"{config_file}: lora_alpha must be a number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoraError(f"{config_file}: lora_alpha must be a number, got {_show(alpha)}")
     scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
 
-    weight_file = root / "adapter_model.safetensors"
-    if not weight_file.exists():
-        raise LoraError(f"{weight_file}: file is missing (only safetensors adapters are read)")
+    weight_file = directory / "adapter_model.safetensors"
     shapes = part_shapes(cfg)
+    max_tensors, max_header, max_file = weight_limits(cfg, rank)
     found: dict[tuple[int, str, str], torch.Tensor] = {}
-    try:  # an unreadable file (a directory, no permission) must fail the load, not the engine
-        with open(weight_file, "rb", buffering=0) as f:
-            for entry in read_safetensors_header(weight_file):
+    try:  # an unreadable file (no permission, an I/O error) must fail the load, not the engine
+        f, size = _open_regular(str(weight_file), max_file, root)
+        with f:
+            for entry in _read_header(f, size, weight_file, max_header, max_tensors):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LoraError(f"{weight_file}: the read ran past its deadline")
                 match = _NAME.match(entry.name)
                 if match is None:
-                    raise LoraError(f"{weight_file}: tensor {entry.name!r} is not a LoRA A/B weight of a decoder "
+                    raise LoraError(f"{weight_file}: tensor {_show(entry.name)} is not a LoRA A/B weight of a decoder "
                                     "layer's attention or MLP projection")
                 layer, module, which = int(match[1]), match[2], match[3]
                 if module not in MODULES:
-                    raise LoraError(f"{weight_file}: tensor {entry.name!r} targets {module!r}, which is not one of "
-                                    f"{', '.join(MODULES)}")
+                    raise LoraError(f"{weight_file}: tensor {_show(entry.name)} targets {module!r}, which is not one "
+                                    f"of {', '.join(MODULES)}")
                 if layer >= cfg.num_layers:
-                    raise LoraError(f"{weight_file}: tensor {entry.name!r} is for layer {layer}; the base model has "
-                                    f"{cfg.num_layers} layers")
+                    raise LoraError(f"{weight_file}: tensor {_show(entry.name)} is for layer {layer}; the base model "
+                                    f"has {cfg.num_layers} layers")
                 in_f, out_f = shapes[module]
                 expected = (rank, in_f) if which == "A" else (out_f, rank)
                 if entry.shape != expected:
-                    raise LoraError(f"{weight_file}: tensor {entry.name!r} has shape {entry.shape}, expected "
+                    raise LoraError(f"{weight_file}: tensor {_show(entry.name)} has shape {entry.shape}, expected "
                                     f"{expected} (r={rank} on this base model)")
                 tensor = torch.empty(entry.shape, dtype=entry.dtype)
                 read_tensor_into(entry, f, tensor)
@@ -145,7 +287,7 @@ def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank
         if which == "B" and (layer, module) not in weights:
             raise LoraError(f"{weight_file}: tensor base_model.model.model.layers.{layer}.*.{module}.lora_A.weight "
                             f"is missing (lora_B is there)")
-    return LoraAdapter(name, str(root), rank, weights)
+    return LoraAdapter(name, str(directory), rank, weights)
 
 
 @dataclass(slots=True)

@@ -23,7 +23,9 @@ class MsgKind(enum.StrEnum):
     FATAL = "fatal"  # message: the core is gone; every request fails
     STATS = "stats"  # EngineStats, periodically and whenever the core goes idle
     QUEUED = "queued"  # [(rid, seconds waited)] when requests are first scheduled
-    LORA_DONE = "lora_done"  # (token, error or None, code: "bad" | "unknown" | None), answering LORA
+    # (token, error or None, code), answering LORA. code: None (done), "bad" (not a loadable adapter: the error is
+    # for the server's log only), "unknown" (no such adapter), "name" (taken), "disabled", "busy", "timeout"
+    LORA_DONE = "lora_done"
     HEARTBEAT = "heartbeat"  # None: sent when nothing else went out for HEARTBEAT_INTERVAL_S
 
 

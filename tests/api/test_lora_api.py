@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from rawserve.api.admin import LORA_PATH_REFUSED
 from rawserve.config import EngineConfig, ServerConfig
 from tests.api.test_openai_server import MODEL, ServerThread, raw
 
@@ -21,7 +22,7 @@ def adapters(tmp_path_factory):
     from tests.engine.test_lora import make_adapter
 
     base = ensure_demo_model()
-    root = tmp_path_factory.mktemp("lora-api")
+    root = tmp_path_factory.mktemp("lora-api")  # the servers' --lora-root
     return base, {"a": make_adapter(base, root / "a", 4, 8, ["q_proj", "v_proj"], seed=1),
                   "b": make_adapter(base, root / "b", 8, 16, ["o_proj", "down_proj", "up_proj"], seed=2)}
 
@@ -30,7 +31,8 @@ def adapters(tmp_path_factory):
 def server(adapters):
     base, paths = adapters
     srv = ServerThread(EngineConfig(model_dir=str(base), device="cpu", num_kv_blocks=256, max_model_len=512,
-                                    lora_modules=[f"a={paths['a']}"], max_loras=2, max_lora_rank=8),
+                                    lora_modules=[f"a={paths['a']}"], max_loras=2, max_lora_rank=8,
+                                    allow_runtime_lora_updating=True, lora_root=str(paths["a"].parent)),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[]))
     yield srv
     srv.stop()
@@ -75,7 +77,7 @@ def test_select_list_load_unload(server, adapters):
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(paths["b"])})
     assert status == 400 and "already been loaded" in body["error"]["message"]
     status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(paths["b"].parent)})
-    assert status == 400 and "adapter_config.json: file is missing" in body["error"]["message"]
+    assert status == 400 and body["error"]["message"] == LORA_PATH_REFUSED
     status, body = post(server, "/v1/unload_lora_adapter", {"lora_name": "b"})
     assert status == 200, body
     assert complete(server, model="b")[0] == 404
@@ -105,16 +107,16 @@ def test_unload_in_use_waits_and_metrics(server):
 @pytest.fixture
 def gated_reads(monkeypatch):
     """Adapter reads that wait for `gate` (the real read follows): what a large adapter on a slow disk does."""
-    import rawserve.engine.core as core_module
+    import rawserve.engine.lora_registry as registry_module
 
-    real, gate, started = core_module.read_adapter, threading.Event(), threading.Event()
+    real, gate, started = registry_module.read_adapter, threading.Event(), threading.Event()
 
-    def read_adapter(*args):
+    def read_adapter(*args, **kwargs):
         started.set()
         assert gate.wait(60), "the test never opened the gate"
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(core_module, "read_adapter", read_adapter)
+    monkeypatch.setattr(registry_module, "read_adapter", read_adapter)
     yield gate, started
     gate.set()
 
@@ -165,13 +167,15 @@ def test_load_and_use_at_run_time_with_the_core_in_its_own_process(server, adapt
     """The same adapter loaded at run time into a spawned core answers as the thread-mode server's does."""
     base, paths = adapters
     spawned = ServerThread(EngineConfig(model_dir=str(base), device="cpu", num_kv_blocks=128, max_model_len=512,
-                                        enable_lora=True, max_loras=1, max_lora_rank=8),
+                                        allow_runtime_lora_updating=True, lora_root=str(paths["a"].parent),
+                                        max_loras=1, max_lora_rank=8),
                            ServerConfig(port=0, served_model_name=MODEL, engine_mode="process", api_key=[]))
     try:
         assert spawned.app.llm.info["pid"] != server.app.llm.info["pid"]
-        status, body = post(spawned, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(paths["b"].parent)})
-        assert status == 400 and "adapter_config.json: file is missing" in body["error"]["message"]
-        assert post(spawned, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(paths["a"])})[0] == 200
+        for path in (str(paths["b"].parent), "/etc/shadow", "/root", "/dev/zero"):
+            status, body = post(spawned, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": path})
+            assert status == 400 and body["error"]["message"] == LORA_PATH_REFUSED, path
+        assert post(spawned, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a"})[0] == 200  # relative
         here, there = complete(server, model="a"), complete(spawned, model="a")
         assert there[0] == 200 and there[1]["choices"][0]["text"] == here[1]["choices"][0]["text"]
     finally:
@@ -191,3 +195,127 @@ def test_the_prefix_cache_is_keyed_by_adapter_through_the_api(server):
     assert cached(MODEL) > 0  # the base model hits its own blocks
     assert cached("a") == 0  # the adapter's KV differs: it never reads the base model's blocks
     assert cached("a") > 0
+
+
+def _hostile_paths(root, good, outside):
+    """Adapter paths a hostile client may send, each built under (or pointing out of) the --lora-root `root`."""
+    import os
+    import shutil
+
+    def adapter(name):
+        path = root / name
+        if not path.exists():
+            shutil.copytree(good, path)
+        return path
+
+    zero = adapter("h-zero")  # its config a symlink to /dev/zero: once read without end
+    if not (zero / "adapter_config.json").is_symlink():
+        (zero / "adapter_config.json").unlink()
+        os.symlink("/dev/zero", zero / "adapter_config.json")
+    fifo = adapter("h-fifo")  # its config a FIFO: once a load (and every later one) hung for ever
+    if not (fifo / "adapter_config.json").is_fifo():
+        (fifo / "adapter_config.json").unlink()
+        os.mkfifo(fifo / "adapter_config.json")
+    big = adapter("h-bigconf")
+    (big / "adapter_config.json").write_text((good / "adapter_config.json").read_text() + " " * (2 << 20))
+    padded = adapter("h-bigweights")
+    with open(padded / "adapter_model.safetensors", "ab") as f:
+        f.truncate(64 << 20)  # sparse
+    header = adapter("h-header")
+    length = 40_000  # over the header a rank-4 adapter of the demo model can need, in a file under the size cap
+    (header / "adapter_model.safetensors").write_bytes(length.to_bytes(8, "little") + b"{}" + b" " * (length - 2))
+    if not (root / "h-escape").is_symlink():
+        os.symlink("/etc", root / "h-escape")
+    linked = adapter("h-linkout")  # its config a symlink to a valid one outside the root
+    if not (linked / "adapter_config.json").is_symlink():
+        (linked / "adapter_config.json").unlink()
+        os.symlink(outside / "adapter_config.json", linked / "adapter_config.json")
+    return ["/etc/shadow", "/root", "/root/", "/etc/passwd", "/dev/zero", "../../../etc", "h-escape", "h-escape/ssh",
+            "h-missing", str(root), "h-zero", str(zero), "h-fifo", "h-bigconf", "h-bigweights", "h-header",
+            "h-linkout", str(outside), "nul\u0000byte"]
+
+
+def test_hostile_paths_all_get_one_generic_400_and_a_later_load_works(server, adapters, tmp_path, caplog):
+    import logging
+    import shutil
+    import time
+
+    _, paths = adapters
+    root = paths["a"].parent
+    outside = tmp_path / "outside"
+    shutil.copytree(paths["a"], outside)
+    caplog.set_level(logging.WARNING, "rawserve")
+    bodies = {}
+    start = time.monotonic()
+    for path in _hostile_paths(root, paths["a"], outside):
+        status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "h", "lora_path": path})
+        assert status == 400, (path, body)
+        bodies[path] = body
+    assert time.monotonic() - start < 30  # no read without end, no FIFO wait
+    assert all(body == {"error": {"message": LORA_PATH_REFUSED, "type": "invalid_request_error", "param": "lora_path",
+                                  "code": None}} for body in bodies.values()), bodies
+    reasons = "\n".join(r.getMessage() for r in caplog.records if r.name == "rawserve.api.lora")
+    for reason in ("outside --lora-root", "not a regular file", "are read for this file", "file is missing",
+                   "a safetensors header of"):
+        assert reason in reasons  # the operator is told why
+    assert "h" not in server.app.context.loras
+    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "h", "lora_path": "b"})  # relative: root/b
+    assert status == 200, body
+    assert complete(server, model="h")[0] == 200
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "h"})[0] == 200
+
+
+def test_the_load_routes_are_closed_without_the_opt_in(adapters):
+    base, paths = adapters
+    srv = ServerThread(EngineConfig(model_dir=str(base), device="cpu", num_kv_blocks=64, max_model_len=256,
+                                    enable_lora=True, lora_modules=[f"a={paths['a']}"], max_lora_rank=8,
+                                    lora_root=str(paths["a"].parent)),
+                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[]))
+    try:
+        for route, body in (("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(paths["b"])}),
+                            ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+            status, answer = post(srv, route, body)
+            assert status == 404 and answer["error"]["code"] == "not_found", answer
+            assert answer["error"]["message"] == f"Invalid URL (POST {route})."
+        assert complete(srv, model="a")[0] == 200  # the operator's --lora-modules still serve
+        assert complete(srv, model="b")[0] == 404
+    finally:
+        srv.stop()
+
+
+def test_a_client_leaving_a_failing_load_logs_no_500_and_no_unretrieved_exception(server, adapters, gated_reads,
+                                                                                   caplog):
+    import gc
+    import logging
+    import socket
+    import time
+
+    gate, started = gated_reads
+    _, paths = adapters
+    caplog.set_level(logging.INFO)
+    body = json.dumps({"lora_name": "gone", "lora_path": "no-such-adapter"}).encode()
+    with socket.create_connection(("127.0.0.1", server.app.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/load_lora_adapter HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        assert started.wait(30)
+    time.sleep(0.5)  # the server sees the EOF and cancels the handler while the core is still reading
+    gate.set()
+    deadline = time.monotonic() + 30
+    while not any("loading adapter 'gone'" in r.getMessage() or "never retrieved" in r.getMessage()
+                  for r in caplog.records):
+        assert time.monotonic() < deadline, "the failed load was never logged"
+        gc.collect()  # an unretrieved task exception is reported when the task is collected
+        time.sleep(0.05)
+    gc.collect()
+    server.call(asyncio_sleep())  # and the loop has run its callbacks
+    messages = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert not [m for m in messages if "never retrieved" in m[2] or m[1] >= logging.ERROR], messages
+    access = [m[2] for m in messages if m[0] == "rawserve.access" and "load_lora_adapter" in m[2]]
+    assert access and all('" 500' not in line for line in access) and '" 499' in access[-1], access
+    assert "gone" not in server.app.context.loras
+
+
+async def asyncio_sleep():
+    import asyncio
+
+    await asyncio.sleep(0.05)

@@ -127,18 +127,18 @@ def test_unload_waits_for_last_request_and_unknown_refused(lora_setup):
     core = lora_core(base, adapters)
     core.add_request("r", prompt(5, 1), greedy(5, ignore_eos=True), lora="a")
     core.step()
-    core.unload_lora("a")
-    assert core.lora_names() == ["b"] and "a" in core.loras
+    core.loras.unload("a")
+    assert core.loras.names() == ["b"] and "a" in core.loras
     with pytest.raises(ValueError, match="no adapter named 'a'"):
         core.add_request("s", prompt(5, 1), greedy(5), lora="a")
     with pytest.raises(ValueError, match="being unloaded"):
-        core.load_lora("a", str(adapters["a"]))
+        core.loras.load("a", str(adapters["a"]))
     while core.has_unfinished:
         core.step()
     assert "a" not in core.loras and core.scheduler.lora_slots.slots.count("a") == 0
-    core.load_lora("a", str(adapters["a"]))
+    core.loras.load("a", str(adapters["a"]))
     with pytest.raises(KeyError):
-        core.unload_lora("nope")
+        core.loras.unload("nope")
 
 
 def _edit_config(src: pathlib.Path, dst: pathlib.Path, **changes) -> pathlib.Path:
@@ -160,12 +160,15 @@ def test_bad_adapters_name_what_is_wrong(lora_setup, tmp_path):
         read_adapter("b", src, cfg, 4)
     with pytest.raises(LoraError, match="modules_to_save"):
         read_adapter("x", _edit_config(src, tmp_path / "save", modules_to_save=["lm_head"]), cfg, 8)
-    with pytest.raises(LoraError, match=r"lora_A\.weight' has shape \(8, \d+\), expected \(4, \d+\)"):
-        read_adapter("x", _edit_config(src, tmp_path / "rank", r=4), cfg, 8)
+    with pytest.raises(LoraError, match=r"lora_A\.weight' has shape \(4, \d+\), expected \(8, \d+\)"):
+        read_adapter("x", _edit_config(adapters["a"], tmp_path / "rank", r=8), cfg, 8)
+    # rank 8 tensors under a config that says 4: more bytes than a rank-4 adapter can need, refused unread
+    with pytest.raises(LoraError, match=r"adapter_model.safetensors: \d+ bytes; at most \d+ are read"):
+        read_adapter("x", _edit_config(src, tmp_path / "small-rank", r=4), cfg, 8)
     with pytest.raises(LoraError, match="adapter_config.json: file is missing"):
         read_adapter("x", tmp_path, cfg, 8)
     other = make_hf_checkpoint(tmp_path / "wide", "qwen3", hidden_size=32, head_dim=16)
-    with pytest.raises(LoraError, match="has shape"):
+    with pytest.raises(LoraError, match=r"has shape|at most \d+ are read"):  # it does not fit the other model
         read_adapter("b", src, read_model_config(other), 8)
 
 
@@ -208,8 +211,8 @@ def test_an_adapter_reloaded_under_its_name_with_other_weights_shares_no_cached_
     ids = prompt(20, 5)
     run(core, [("x", ids, greedy(4, ignore_eos=True), 0, {"lora": "a"})])
     as_b, _, _ = run(core, [("y", ids, greedy(4, ignore_eos=True), 0, {"lora": "b"})])
-    core.unload_lora("a")
-    core.load_lora("a", str(adapters["b"]))  # the name "a" now holds b's weights
+    core.loras.unload("a")
+    core.loras.load("a", str(adapters["b"]))  # the name "a" now holds b's weights
     got, final, _ = run(core, [("z", ids, greedy(4, ignore_eos=True), 0, {"lora": "a"})])
     assert final["z"].num_cached_tokens == 0 and got["z"] == as_b["y"]
 
@@ -224,7 +227,7 @@ def test_an_unreadable_adapter_file_fails_the_load_not_the_engine(lora_setup, tm
     shutil.copy(adapters["a"] / "adapter_config.json", broken / "adapter_config.json")
     (broken / "adapter_model.safetensors").mkdir()  # opening it raises IsADirectoryError, an OSError
     with pytest.raises(ValueError, match="adapter_model.safetensors"):
-        core.load_lora("c", str(broken))
+        core.loras.load("c", str(broken))
     tokens, _, _ = run(core, [("r", prompt(5, 1), greedy(3, ignore_eos=True), 0, {"lora": "a"})])
     assert len(tokens["r"]) == 3
 
