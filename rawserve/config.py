@@ -103,6 +103,17 @@ class EngineConfig:
     max_loras: int = field(default=1, metadata={
         "help": "Adapters resident at once, and so most distinct adapters in one step (vLLM's flag)."})
     max_lora_rank: int = field(default=16, metadata={"help": "Largest adapter rank accepted."})
+    allow_runtime_lora_updating: bool = field(default=False, metadata={
+        "help": "Open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING); without it they answer 404. Loads read only under --lora-root, "
+                "which it needs. Implies --enable-lora."})
+    lora_root: str | None = field(default=None, metadata={
+        "help": "The directory runtime loads may read adapters from: a load's lora_path is taken relative to it and "
+                "must resolve (symlinks followed) under it; anything else is one generic 400. --lora-modules are "
+                "not limited to it."})
+    lora_load_timeout_s: float = field(default=60.0, metadata={
+        "help": "A runtime adapter load that has not finished reading after this long fails (its client gets a "
+                "400); later loads do not wait for it."})
     quantization: str = field(default="none", metadata={
         "help": "Quantize the decoder's linear weights as they load (CPU only): none, int8 (per-output-channel "
                 "symmetric, run as dynamic W8A8 through torch's quantized engine, or weight-only int8 where that "
@@ -115,7 +126,7 @@ class EngineConfig:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or self.allow_runtime_lora_updating or bool(self.lora_modules)
 
     def lora_paths(self) -> dict[str, str]:
         """--lora-modules as {name: path}."""
@@ -177,6 +188,11 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _check(self.max_loras >= 1, "max_loras", "must be >= 1")
         _check(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        _check(not self.allow_runtime_lora_updating or self.lora_root is not None, "allow_runtime_lora_updating",
+               "needs --lora-root DIR, the directory runtime loads may read adapters from")
+        _check(self.lora_root is None or os.path.isdir(self.lora_root), "lora_root",
+               f"{self.lora_root!r} is not a directory")
+        _check(self.lora_load_timeout_s > 0, "lora_load_timeout_s", "must be > 0")
         _check(self.quantization in QUANTIZATIONS, "quantization",
                f"must be one of {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check(self.quantization_group_size in QUANT_GROUP_SIZES, "quantization_group_size",
@@ -237,6 +253,12 @@ class ServerConfig:
         "help": "/health answers 503 (engine_stalled) when requests are waiting and the engine core has sent "
                 "nothing, not even its heartbeat (every second), for this long; 200 again once it speaks."})
     request_timeout_s: float = field(default=600.0, metadata={"help": "Deadline of one request."})
+    guided_compile_timeout_s: float = field(default=5.0, metadata={
+        "help": "Deadline of one structured-output grammar compile; past it the compile's worker process is "
+                "killed and replaced, and the request gets a 400."})
+    guided_compile_workers: int = field(default=2, metadata={
+        "help": "Processes that compile structured-output grammars (each started at its first compile); a slow "
+                "compile holds up only its own."})
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file overriding the checkpoint's."})
     tool_call_parser: str = field(default="hermes", metadata={"help": "Tool-call output parser by name."})
@@ -270,7 +292,7 @@ class ServerConfig:
         _check(all(p.startswith("/") for p in self.open_paths), "open_paths", "each path starts with '/'")
         _check(self.max_connections_per_ip >= 0, "max_connections_per_ip", "must be >= 0")
         for name in ("keep_alive_s", "first_byte_timeout_s", "engine_stall_timeout_s", "header_timeout_s", "body_timeout_s", "write_timeout_s", "drain_timeout_s",
-                     "request_timeout_s"):
+                     "request_timeout_s", "guided_compile_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.sse_ping_interval_s >= 0, "sse_ping_interval_s", "must be >= 0")
         _check(self.rate_limit_tpm is None or self.rate_limit_tpm >= 1, "rate_limit_tpm",
@@ -278,7 +300,8 @@ class ServerConfig:
         _check(self.api_key_file is None or os.path.isfile(self.api_key_file), "api_key_file",
                f"no such file {self.api_key_file!r}")
         _check(self.responses_store_max >= 0, "responses_store_max", f"must be >= 0, got {self.responses_store_max}")
-        for name in ("max_header_bytes", "max_body_bytes", "max_connections", "max_pending"):
+        for name in ("max_header_bytes", "max_body_bytes", "max_connections", "max_pending",
+                     "guided_compile_workers"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _check(self.engine_mode in ENGINE_MODES, "engine_mode", f"must be thread|process, got {self.engine_mode!r}")
         self.log_level = self.log_level.lower()

@@ -9,7 +9,6 @@ import gc
 import itertools
 import logging
 import pathlib
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -18,7 +17,7 @@ from rawserve.engine.cpu_budget import ThreadPlan, plan_threads
 from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
 from rawserve.engine.guided.vocab import is_vocab_index_cached, load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
-from rawserve.engine.lora import LoraAdapter, LoraError, read_adapter
+from rawserve.engine.lora_registry import LoraRegistry
 from rawserve.engine.model_runner import ModelRunner
 from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
@@ -36,7 +35,8 @@ class EngineCore:
     """Owns the requests, the scheduler, the KV block manager (`blocks`), the sampler and a model runner.
 
     `step()` raising is fatal: block tables and counters may then disagree with the KV cache, so the
-    caller must fail every request rather than step again.
+    caller must fail every request rather than step again. A fault in one request's logits processing,
+    sampling or grammar does not raise: that request ends alone with finish_reason "error" (_fail_alone).
     """
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
@@ -52,17 +52,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_loras=config.max_loras if config.lora_enabled else 0)
-        self.loras: dict[str, LoraAdapter] = {}  # adapters that may be asked for, on the CPU
-        self._lora_users: dict[str, int] = {}  # adapter -> unfinished requests using it
-        # adapter -> which load it is: a name unloaded and loaded again from other weights must not share
-        # prefix-cache blocks with its old self, so the cache key carries this
-        self._lora_loads: dict[str, int] = {}
-        self._num_lora_loads = itertools.count()
-        self._unloading: set[str] = set()  # unloaded while in use: dropped when its last request ends
-        self._loading: set[str] = set()  # being read on the reader thread (start_lora_load)
-        self._lora_reader: ThreadPoolExecutor | None = None  # made on the first load at run time
+        # the adapters requests may name, their users and run-time loads (the scheduler's LoraSlots place them)
+        self.loras = LoraRegistry(config, self.runner.model_config, self.scheduler,
+                                  is_enabled=self.runner.lora is not None)
         for name, path in config.lora_paths().items():
-            self.load_lora(name, path)
+            self.loras.load(name, path)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
         # The vocabulary index guided decoding walks (~35 MiB for Qwen3's 151k tokens) is read from its disk cache
@@ -96,83 +90,13 @@ class EngineCore:
             self._guided = GuidedRegistry(load_vocab_index(self._guided_dir, self.vocab_size), self.runner.device)
         return self._guided
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Read, check and register an adapter now (LoraError, naming what is wrong): the adapters named at start."""
-        self._check_loadable(name)
-        self._register_lora(name, read_adapter(name, path, self.runner.model_config, self.config.max_lora_rank))
-
-    def start_lora_load(self, name: str, path: str) -> Future:
-        """Read and check an adapter on a reader thread, so the steps go on meanwhile (a 0.6B model's rank-64
-        adapter is ~80 MB: hundreds of ms of decode stalled for every running request if read here).
-
-        The name is taken until `finish_lora_load(name, future)` registers the adapter or reports the error.
-        """
-        self._check_loadable(name)
-        if self._lora_reader is None:
-            self._lora_reader = ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
-        self._loading.add(name)
-        return self._lora_reader.submit(read_adapter, name, path, self.runner.model_config, self.config.max_lora_rank)
-
-    def finish_lora_load(self, name: str, future: Future) -> None:
-        """Register a finished read; raise what it raised (any failure is a LoraError: nothing was installed)."""
-        self._loading.discard(name)
-        try:
-            adapter = future.result()
-        except LoraError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a malformed file must fail its load, never the engine
-            raise LoraError(f"lora: adapter {name!r} could not be read: {error!r}") from None
-        self._register_lora(name, adapter)
-
     def close(self) -> None:
-        """Let the adapter reader thread go (a read in progress finishes and is dropped)."""
-        if self._lora_reader is not None:
-            self._lora_reader.shutdown(wait=False, cancel_futures=True)
-
-    def _check_loadable(self, name: str) -> None:
-        if self.runner.lora is None:
-            raise ValueError("lora: this engine was started without LoRA support (--enable-lora or --lora-modules)")
-        if name in self._unloading:
-            raise ValueError(f"lora: adapter {name!r} is being unloaded; its last requests are still running")
-        if name in self.loras:
-            raise ValueError(f"lora: an adapter named {name!r} is already loaded")
-        if name in self._loading:
-            raise ValueError(f"lora: an adapter named {name!r} is being loaded")
-
-    def _register_lora(self, name: str, adapter: LoraAdapter) -> None:
-        self.loras[name] = adapter
-        self._lora_loads[name] = next(self._num_lora_loads)
-
-    def unload_lora(self, name: str) -> None:
-        """Refuse new requests for the adapter now; drop it once its last request ends (KeyError: unknown)."""
-        if name not in self.loras or name in self._unloading:
-            raise KeyError(name)
-        if self._lora_users.get(name):
-            self._unloading.add(name)
-        else:
-            self._drop_lora(name)
-
-    def _drop_lora(self, name: str) -> None:
-        if self.loras.pop(name, None) is not None:
-            self.scheduler.lora_slots.evict(name)
-
-    def lora_names(self) -> list[str]:
-        return [name for name in self.loras if name not in self._unloading]
-
-    def lora_paths(self) -> dict[str, str]:
-        """The adapters a request may ask for: {name: directory}."""
-        return {name: self.loras[name].path for name in self.lora_names()}
+        """Let the adapter reads in flight go (each finishes on its own thread and is dropped)."""
+        self.loras.close()
 
     def _request_done(self, req: Request) -> None:
-        name = req.lora
-        if name is not None:
-            left = self._lora_users[name] - 1
-            self._lora_users[name] = left
-            if not left:
-                del self._lora_users[name]
-                if name in self._unloading:
-                    self._unloading.discard(name)
-                    self._drop_lora(name)
+        if req.lora is not None:
+            self.loras.drop_user(req.lora)
 
     @property
     def num_blocks(self) -> int:
@@ -201,18 +125,17 @@ class EngineCore:
         if needed > self.blocks.num_blocks:
             raise ValueError(f"max_tokens: at full length ({total} tokens) the request needs {needed} KV blocks "
                              f"of {self.block_size} tokens; the pool holds only {self.blocks.num_blocks}")
-        if lora is not None and (lora not in self.loras or lora in self._unloading):
-            raise ValueError(f"lora: no adapter named {lora!r} is loaded")
+        lora_load = self.loras.load_id(lora) if lora is not None else 0
         req = Request(rid, list(prompt_ids), params, priority=priority, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt,
-                      lora_load=self._lora_loads.get(lora, 0) if lora is not None else 0)
+                      lora_load=lora_load)
         if params.guided is not None:
             req.guided = self.guided_registry().state_for(params.guided)
         if self.blocks.enable_prefix_caching and req.is_cacheable:
             req.update_block_hashes(self.block_size)
         self.requests[rid] = req
         if lora is not None:
-            self._lora_users[lora] = self._lora_users.get(lora, 0) + 1
+            self.loras.add_user(lora)
         self.scheduler.add(req)
 
     def abort_request(self, rid: str) -> RequestOutput | None:
@@ -237,18 +160,12 @@ class EngineCore:
             prefix_cache_queries=blocks.prefix_cache_queries, prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
             num_threads=self._num_threads(),
-            extra=self._lora_stats() if self.scheduler.lora_slots is not None else {})
+            extra=self.loras.stats())
 
     def _num_threads(self) -> int:
         if self.governor is not None:
             return self.governor.threads
         return self.threads.num_threads if self.threads is not None else 0
-
-    def _lora_stats(self) -> dict:
-        """lora_requests_info's labels, as vLLM exposes them: adapters with running and with waiting requests."""
-        running = set(self.scheduler.lora_slots.running_adapters())
-        waiting = {entry[3].lora for entry in self.scheduler.waiting if entry[3].lora is not None}
-        return {"lora": {"max_lora": self.config.max_loras, "running": sorted(running), "waiting": sorted(waiting)}}
 
     def take_queue_times(self) -> list[tuple[str, float]]:
         """(rid, seconds from queued to first scheduled) for the requests the last step admitted for the
@@ -275,20 +192,50 @@ class EngineCore:
         if plan.prompt_spans:
             self._collect_prompt_logprobs(logits, plan.prompt_spans)
         scored = [self._finish_scored(req) for req in plan.scored_reqs] if plan.scored_reqs else []
-        reqs = plan.sample_reqs
-        if not reqs:
+        if not plan.sample_reqs:
             return scored
-        logits = self._process_logits(plan, logits)  # [len(reqs), V], row i for reqs[i]
-        sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
+        # A fault in one request's logits processing, sampling or grammar fails that request alone (_fail_alone);
+        # the others' tokens are what they would have been without it. Only the forward and the bookkeeping
+        # around it are fatal (see the class).
+        failures: list[tuple[Request, str, Exception]] = []
+        logits, reqs = self._process_logits(plan, logits, failures)  # [len(reqs), V], row i for reqs[i]
+        tokens: list[int] = []
+        logprobs = None
+        if reqs:
+            sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
+            tokens, logprobs = sampled.token_ids, sampled.logprobs
+            if sampled.failed:
+                failures += [(reqs[i], "sampling", error) for i, error in sampled.failed.items()]
+                ok = [i for i in range(len(reqs)) if i not in sampled.failed]
+                reqs, tokens = [reqs[i] for i in ok], [tokens[i] for i in ok]
+                logprobs = [logprobs[i] for i in ok] if logprobs is not None else None
         del logits  # a view of the runner's reused buffer, which an idle engine gives back
-        outputs = scored + self._update(reqs, sampled.token_ids, sampled.logprobs)
+        outputs = scored + self._update(reqs, tokens, logprobs, failures)
+        outputs += [self._fail_alone(req, stage, error) for req, stage, error in failures]
         self._release_if_idle()
         return outputs
+
+    def _fail_alone(self, req: Request, stage: str, error: Exception) -> RequestOutput:
+        """A fault in one request's `stage` (logits processing, sampling, grammar): that request ends with
+        finish_reason "error", freed as an abort frees it (KV blocks, penalty row, adapter use, grammar state),
+        and the step goes on for the others. Its client gets a server error; the operator, the traceback."""
+        log.error("request %s failed in %s; it alone ends, the engine goes on", req.rid, stage, exc_info=error)
+        self.abort_request(req.rid)
+        return RequestOutput(req.rid, [], finished=True, finish_reason="error", error=f"{stage} failed: {error!r}",
+                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def _release_if_idle(self) -> None:
         """The last request is gone: the runner's step buffers go back (the core loop then trims the heap)."""
         if not self.requests:
             self.runner.release_buffers()
+
+    def release_idle_kv(self) -> int:
+        """Idle (the core loop calls it with its heap trim): keep the prefix cache's most recent blocks, moved to
+        the pool's lowest ids, and give the KV pages above them back. Returns the bytes given back."""
+        if self.requests or not self.runner.releases_idle_kv:
+            return 0
+        return self.runner.release_idle_kv(*self.blocks.compact(self.runner.idle_cached_blocks))
 
     def _finish_scored(self, req: Request) -> RequestOutput:
         """A max_tokens 0 request whose prompt is now computed: it ends at "length" with no token sampled."""
@@ -313,23 +260,43 @@ class EngineCore:
                 req.num_published_blocks = blocks.publish_full_blocks(
                     req.block_ids, req.block_hashes, req.num_published_blocks, num_computed)
 
-    def _process_logits(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
-        """The forward's sampling rows, one per plan.sample_reqs, with the per-row logits processors applied.
+    def _process_logits(self, plan: StepPlan, logits: torch.Tensor, failures: list[tuple[Request, str, Exception]]
+                        ) -> tuple[torch.Tensor, list[Request]]:
+        """The forward's sampling rows with the per-row logits processors applied -> (rows [R, V], their R
+        requests): plan.sample_reqs less those whose processing raised, which go to `failures`.
 
         Today's processor is each constrained row's grammar mask (EOS and stop ids only where the grammar may
         end), in place. The sampler's own (min_tokens, logit_bias, penalties) follow it, batched over every row.
         """
+        reqs = plan.sample_reqs
         if not plan.samples_every_row:  # some rows were prompt-logprob rows: pick the sampling ones
             rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows)  # [len(sample_reqs), V]
-        constrained = [(i, req.guided, req.guided_end_ids) for i, req in enumerate(plan.sample_reqs)
-                       if req.guided is not None]
-        if constrained:
+        constrained = [(i, req.guided, req.guided_end_ids) for i, req in enumerate(reqs) if req.guided is not None]
+        if not constrained:
+            return logits, reqs
+        try:
             apply_masks(logits, constrained)
-        return logits
+            return logits, reqs
+        except Exception:  # noqa: BLE001 - one grammar's fault: found row by row below, and fails that request alone
+            pass
+        failed = set()
+        for entry in constrained:  # a mask only writes its own row, and writing it again changes nothing
+            try:
+                apply_masks(logits, [entry])
+            except Exception as error:  # noqa: BLE001 - this request's grammar: _fail_alone reports it
+                failed.add(entry[0])
+                failures.append((reqs[entry[0]], "logits processing", error))
+        if not failed:  # a fault that did not come back: every row is masked now
+            return logits, reqs
+        keep = [i for i in range(len(reqs)) if i not in failed]
+        logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+        return logits, [reqs[i] for i in keep]
 
-    def _update(self, reqs: list[Request], tokens: list[int], logprobs: list | None) -> list[RequestOutput]:
-        """Append each sampled token, advance its grammar, decide stop/length, and build the step's outputs."""
+    def _update(self, reqs: list[Request], tokens: list[int], logprobs: list | None,
+                failures: list[tuple[Request, str, Exception]]) -> list[RequestOutput]:
+        """Append each sampled token, advance its grammar, decide stop/length, and build the step's outputs.
+        A request whose grammar raises goes to `failures`, with no output here."""
         bs = self.block_size
         caching = self.blocks.enable_prefix_caching
         max_model_len = self.max_model_len
@@ -350,8 +317,13 @@ class EngineCore:
                     reason, stop_reason = "stop", token
             guided = req.guided
             if guided is not None and reason is None:
-                guided.advance(token)
-                if guided.is_complete:  # the output is a whole match and nothing may follow
+                try:
+                    guided.advance(token)
+                    complete = guided.is_complete
+                except Exception as error:  # noqa: BLE001 - this request's grammar: _fail_alone reports it
+                    failures.append((req, "grammar", error))
+                    continue
+                if complete:  # the output is a whole match and nothing may follow
                     reason = "stop"
             if reason is None and (num_before + 1 >= params.max_tokens or len(req.token_ids) >= max_model_len):
                 reason = "length"

@@ -20,7 +20,7 @@ from rawserve.engine.frontend.request_stream import RequestState, RequestStream
 from rawserve.engine.launch import kv_capacity
 from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
 from rawserve.engine.rules import check_one_sample
-from rawserve.engine.types import AddRequest, EngineStats, RequestOutput, SamplingParams
+from rawserve.engine.types import AddRequest, EngineStats, RequestFailed, RequestOutput, SamplingParams
 from rawserve.errors import EngineDead, Overloaded
 from rawserve.metrics import FINISH_REASONS, Metrics
 from rawserve.process_stats import HeapRelease, render_process_metrics
@@ -28,6 +28,15 @@ from rawserve.process_stats import HeapRelease, render_process_metrics
 __all__ = ["AsyncLLM", "RequestStream", "TextOutput"]
 
 log = logging.getLogger("rawserve.engine.frontend.async_llm")
+
+
+class LoraOpError(ValueError):
+    """The core refused or failed a LoRA load/unload. `code` is LORA_DONE's (engine/messages.py): "bad" means the
+    message names paths and file contents, for the server's log only."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class AsyncLLM:
@@ -133,7 +142,8 @@ class AsyncLLM:
     async def lora_op(self, op: str, name: str, path: str | None = None) -> None:
         """Load ("load", name, path) or unload ("unload", name) an adapter in the core and wait for its answer.
 
-        Raises ValueError (a bad adapter, or a name in use) or KeyError (no such adapter), with the core's message.
+        Raises LoraOpError (a ValueError: a bad adapter, a name in use, updates off, a timeout; its code says which)
+        or KeyError (no such adapter), with the core's message.
         """
         if self.is_dead:
             raise EngineDead(self._dead_reason)
@@ -146,7 +156,9 @@ class AsyncLLM:
         finally:
             self._lora_waiters.pop(token, None)
         if error is not None:
-            raise (KeyError if code == "unknown" else ValueError)(error)
+            if code == "unknown":
+                raise KeyError(error)
+            raise LoraOpError(error, code or "bad")
 
     # ----- lifecycle
 
@@ -386,6 +398,9 @@ class AsyncLLM:
             state = states.get(out.request_id)
             if state is None or state.is_finished:
                 continue  # aborted, timed out, or already ended by a stop string
+            if out.error is not None:  # the core failed this request alone (its sampling or grammar): a 500
+                self._fail(state, RequestFailed(out.error))
+                continue
             num_new = len(out.new_token_ids)
             state.num_prompt_tokens = out.num_prompt_tokens
             state.num_output_tokens += num_new
