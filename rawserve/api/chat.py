@@ -170,11 +170,18 @@ async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, caller: Ca
     ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided)
-    streams = ctx.start_streams([ids], params, rid, req, caller)
     opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
+    markers = OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser).markers
+    # Markers the checkpoint makes special tokens: skip_special_tokens must not drop them before the parsers,
+    # which then keep them out of the message (as skipping would have). Without skipping they show as any
+    # special token does where a block turns out not to be a call.
+    special = ctx.tokenizer.special_ids_of(markers) if req.skip_special_tokens else frozenset()
+    hidden = tuple(m for m in markers if ctx.tokenizer.token_to_id(m) in special)
+    params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided,
+                                 keep_special_tokens=hidden)
+    streams = ctx.start_streams([ids], params, rid, req, caller)
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
-                            starts_in_reasoning=opened) for _ in streams]
+                            starts_in_reasoning=opened, hidden_markers=hidden) for _ in streams]
     decide = functools.partial(finish_reason, forced=forced, named=isinstance(req.tool_choice, dict))
     return ChatRun(streams, parsers, UsageTally([len(ids)], params.n, caller.reservation), forced, decide)
 

@@ -20,7 +20,7 @@ from rawserve.api.chat import ChatRun, start_chat
 from rawserve.api.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDefinition, ResponseFormat,
                                    ResponsesRequest, SamplingExtensions, Tool, ToolCall)
 from rawserve.api.response_store import MAX_CHAIN_TURNS, ResponseStore, StoredResponse
-from rawserve.api.serving import ServingContext, choice_chunks
+from rawserve.api.serving import ServingContext, chat_logprobs, choice_chunks
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 
@@ -35,6 +35,9 @@ _TERMINAL = ("response.completed", "response.incomplete")
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_INPUT_ITEMS_PAGE = 100
+# The one `include` value rawserve has data for; the others name outputs of tools it does not run, or
+# encrypted reasoning it cannot produce.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # OpenAI's limits on `metadata`: it refuses more, and a client relying on them should get the same 400 here.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -55,6 +58,10 @@ def _check_unsupported(req: ResponsesRequest) -> None:
     for name in ("conversation", "prompt", "max_tool_calls"):
         if getattr(req, name) is not None:
             raise APIError(400, f"{name} is not supported by this server.", param=name)
+    for value in req.include or ():
+        if value != LOGPROBS_INCLUDE:
+            raise APIError(400, f"include value {value!r} is not supported by this server; it supports only "
+                                f"{LOGPROBS_INCLUDE!r}.", param="include", code="invalid_value")
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -163,10 +170,11 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
             call = ToolCall(FunctionCall(item["name"], item["arguments"]), id=item["call_id"])
             last = messages[-1] if messages else None
             if last is None or last.role != "assistant" or reasoning is not None:
-                last = ChatMessage("assistant", None, reasoning_content=reasoning)
-                messages.append(last)
+                # Made with its first call: an assistant message with neither content nor tool_calls is refused.
+                messages.append(ChatMessage("assistant", None, tool_calls=[call], reasoning_content=reasoning))
                 reasoning = None
-            last.tool_calls = [*(last.tool_calls or ()), call]
+            else:
+                last.tool_calls = [*(last.tool_calls or ()), call]
         elif kind == "function_call_output":
             messages.append(ChatMessage("tool", _text_of(item["output"], "input"), tool_call_id=item["call_id"]))
     return messages
@@ -201,8 +209,8 @@ def _tool_choice(choice: str | dict) -> str | dict:
 def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatRequest:
     """The one internal request chat also runs: same template, tools, parsers and guided decoding."""
     chat = ChatRequest(messages=messages, model=req.model, max_tokens=req.max_output_tokens, tools=_tools(req.tools),
-                       tool_choice=_tool_choice(req.tool_choice),
-                       **{name: getattr(req, name) for name in _SHARED_FIELDS})
+                       tool_choice=_tool_choice(req.tool_choice), logprobs=wants_logprobs(req),
+                       top_logprobs=req.top_logprobs, **{name: getattr(req, name) for name in _SHARED_FIELDS})
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         chat.response_format = ResponseFormat("json_object")
@@ -217,6 +225,11 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatRequ
         kwargs["enable_thinking"] = effort not in ("none", "minimal")
     chat.chat_template_kwargs = {**kwargs, **(req.chat_template_kwargs or {})}
     return chat
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """OpenAI reports logprobs only when `include` asks for them; top_logprobs alone adds nothing."""
+    return LOGPROBS_INCLUDE in (req.include or ())
 
 
 def _renamed(error: APIError) -> APIError:
@@ -237,6 +250,10 @@ class OutputItems:
 
     Whitespace before any text (the newline between tool calls) waits: it opens a message only if text
     follows, or if the response would otherwise have no output.
+
+    Logprobs (`add_logprobs`, OpenAI's entries of the tokens just generated) wait for the text they made: they go
+    on the next output_text delta and its part; tokens whose text became reasoning or a call are dropped, as is
+    a last token with no text (the end-of-turn token).
     """
 
     def __init__(self) -> None:
@@ -244,10 +261,16 @@ class OutputItems:
         self._open: dict | None = None
         self._text = ""
         self._blank = ""
+        self._logprobs: list[dict] = []  # the open message's, for its part and output_text.done
+        self._pending: list[dict] = []  # entries whose text has not gone out yet
+
+    def add_logprobs(self, entries: list[dict]) -> None:
+        self._pending += entries
 
     def feed(self, delta: dict) -> list[dict]:
         events: list[dict] = []
         if "reasoning_content" in delta:
+            self._pending = []
             events += self._ensure("reasoning")
             events.append(self._delta("response.reasoning_summary_text.delta", delta["reasoning_content"],
                                       summary_index=0))
@@ -259,8 +282,9 @@ class OutputItems:
             else:
                 events += self._ensure("message")
                 self._blank = ""
-                events.append(self._delta("response.output_text.delta", text, content_index=0, logprobs=[]))
+                events.append(self._text_delta(text))
         for call in delta.get("tool_calls", ()):
+            self._pending = []
             function = call["function"]
             if "id" in call:
                 events += self._close("completed")
@@ -276,8 +300,13 @@ class OutputItems:
         events = []
         if self._blank and not self.items:
             events += self._ensure("message")
-            events.append(self._delta("response.output_text.delta", self._blank, content_index=0, logprobs=[]))
+            events.append(self._text_delta(self._blank))
         return events + self._close(status)
+
+    def _text_delta(self, text: str) -> dict:
+        entries, self._pending = self._pending, []
+        self._logprobs += entries
+        return self._delta("response.output_text.delta", text, content_index=0, logprobs=entries)
 
     def _where(self) -> dict:
         return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
@@ -288,7 +317,7 @@ class OutputItems:
 
     def _add(self, item: dict) -> list[dict]:
         self.items.append(item)
-        self._open, self._text = item, ""
+        self._open, self._text, self._logprobs = item, "", []
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": dict(item)}]
 
     def _ensure(self, kind: str) -> list[dict]:
@@ -312,10 +341,10 @@ class OutputItems:
             return []
         where, text = self._where(), self._text
         if item["type"] == "message":
-            part = {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+            part = {"type": "output_text", "annotations": [], "logprobs": self._logprobs, "text": text}
             item["content"] = [part]
             events = [{"type": "response.output_text.done", **where, "content_index": 0, "text": text,
-                       "logprobs": []},
+                       "logprobs": self._logprobs},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
         elif item["type"] == "reasoning":
             part = {"type": "summary_text", "text": text}
@@ -345,6 +374,7 @@ class ResponseRun:
         self.ctx, self.store, self.req, self.rid, self.items = ctx, store, req, rid, items
         self.previous, self.api_key, self.run = previous, api_key, run
         self.output = OutputItems()
+        self.logprobs = wants_logprobs(req)
         self.created_at = int(time.time())
 
     def response(self, status: str, *, usage: dict | None = None, error: dict | None = None) -> dict:
@@ -366,7 +396,7 @@ class ResponseRun:
             "reasoning": {"effort": effort, "summary": summary}, "store": req.store,
             "temperature": _pick(req.temperature, d.temperature, 1.0),
             "text": {"format": text_format}, "tool_choice": req.tool_choice, "tools": req.tools or [],
-            "top_p": _pick(req.top_p, d.top_p, 1.0), "truncation": "disabled",
+            "top_logprobs": req.top_logprobs, "top_p": _pick(req.top_p, d.top_p, 1.0), "truncation": "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {},
         }
 
@@ -388,6 +418,8 @@ class ResponseRun:
         run, finish = self.run, None
         async with contextlib.aclosing(choice_chunks(run.streams, run.tally, run.parsers, run.decide)) as chunks:
             async for chunk in chunks:
+                if self.logprobs and chunk.out.logprobs:
+                    self.output.add_logprobs(chat_logprobs(self.ctx.tokenizer, chunk.out.logprobs)["content"])
                 for delta in chunk.deltas or ():
                     for event in self.output.feed(delta):
                         yield event

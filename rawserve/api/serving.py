@@ -121,11 +121,12 @@ class ServingContext:
     def sampling_params(self, req: SamplingFields, prompt_len: int, default_max_tokens: int | None,
                         prompt_param: str, *, logprobs: int | None = None,
                         prompt_logprobs: int | None = None, guided: CompiledGrammar | None = None,
-                        scoring: bool = False) -> SamplingParams:
+                        scoring: bool = False, keep_special_tokens: tuple[str, ...] = ()) -> SamplingParams:
         """Request fields -> SamplingParams with the checkpoint's defaults; a 400 naming the field if bad.
 
         max_tokens 0 (the prompt is computed, nothing sampled) is allowed only where `scoring` says the caller
-        has a use for it (completions with echo)."""
+        has a use for it (completions with echo). `keep_special_tokens`: the output parsers' markers, decoded
+        even under skip_special_tokens."""
         if prompt_len > rules.max_prompt_tokens(self.max_model_len):
             raise self.context_exceeded(prompt_len, prompt_param)
         max_tokens = req.max_tokens if req.max_tokens is not None else default_max_tokens
@@ -175,7 +176,7 @@ class ServingContext:
                 stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logit_bias=bias or None,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                guided=guided)
+                keep_special_tokens=keep_special_tokens, guided=guided)
             rules.check_params_vocab(params, self.vocab_size)  # the field rules ran as it was built
         except ValueError as error:
             name, _, message = str(error).partition(": ")

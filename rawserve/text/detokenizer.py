@@ -6,7 +6,7 @@ character. Amortised O(1) per token: it never re-decodes the sequence. No engine
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from rawserve.text.tokenizer import BYTE_LEVEL, PIECES, WINDOW, Tokenizer
 
@@ -23,20 +23,29 @@ class IncrementalDetokenizer:
     does not end in U+FFFD (vLLM's prefix/read offsets), reconciled with a full decode at flush.
     """
 
-    __slots__ = ("_tokenizer", "_skip", "_mode", "_table", "_size", "_decoder", "_byte_values", "_run",
+    __slots__ = ("_tokenizer", "_skip", "_dropped", "_mode", "_table", "_size", "_decoder", "_byte_values", "_run",
                  "_strip_char", "_strip_left", "_ids", "_prefix", "_read", "_emitted")
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, *, mode: str | None = None) -> None:
-        """mode overrides the tokenizer's decode mode; only "window" makes sense for a tokenizer of
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, *, keep_special: Iterable[str] = (),
+                 mode: str | None = None) -> None:
+        """keep_special: texts of special tokens decoded even with skip_special_tokens: the output parsers'
+        markers (<tool_call>, <think>), which many checkpoints make special and the parsers must see.
+        mode overrides the tokenizer's decode mode; only "window" makes sense for a tokenizer of
         another mode (it works for any decoder), which tests and the benchmark use to compare."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        kept = tokenizer.special_ids_of(keep_special) if skip_special_tokens else frozenset()
+        self._dropped: frozenset[int] = frozenset()
         self._mode = mode or tokenizer.decode_mode
         if self._mode not in (BYTE_LEVEL, PIECES, WINDOW) or (mode not in (None, WINDOW, tokenizer.decode_mode)):
             raise ValueError(f"mode must be {WINDOW!r} or the tokenizer's own {tokenizer.decode_mode!r}, got {mode!r}")
         if self._mode in (BYTE_LEVEL, PIECES):
-            self._table, self._byte_values = tokenizer.detokenizer_tables(skip_special_tokens)
+            self._table, self._byte_values = tokenizer.detokenizer_tables(skip_special_tokens, kept)
             self._size = len(self._table)
+        elif kept:
+            # `tokenizers` skips all special ids or none: drop the others here, before its decoder, as it does.
+            self._dropped = tokenizer.special_token_ids - kept
+            self._skip = False
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._run = bytearray()
         self._strip_char, self._strip_left = tokenizer.pieces_strip if self._mode == PIECES else ("", 0)
@@ -114,6 +123,8 @@ class IncrementalDetokenizer:
 
     def _add_window(self, ids: Sequence[int]) -> str:
         decode = self._tokenizer.decode
+        if self._dropped:
+            ids = [i for i in ids if i not in self._dropped]
         self._ids.extend(ids)
         prefix_text = decode(self._ids[self._prefix:self._read], self._skip)
         new_text = decode(self._ids[self._prefix:], self._skip)

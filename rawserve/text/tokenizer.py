@@ -23,6 +23,8 @@ BYTE_LEVEL, PIECES, WINDOW = "byte_level", "pieces", "window"
 # Texts and id lists longer than this go through `tokenizers`' batch calls, which release the GIL;
 # a caller on an event loop hands inputs this long to a thread.
 RELEASE_GIL_AT = 4096
+# Detokenizer tables kept per set of special ids a request keeps (a table is a list of vocab_size entries).
+MAX_SKIP_TABLES = 8
 
 
 # A text longer than this is counted in windows of it before it is tokenized whole (see _count_in_windows).
@@ -164,7 +166,7 @@ class Tokenizer:
         self._max_token_chars: int | None = None
         self._bytes: list[bytes] | None = None
         self._byte_values: list[int] | None = None  # PIECES: byte of a <0xNN> piece, else -1
-        self._skip_tables: tuple[list[bytes], list[int]] | None = None
+        self._skip_tables: dict[frozenset[int], tuple[list[bytes], list[int]]] = {}  # by special ids kept
 
     def _lookup(self, field: str, token: str | None) -> tuple[str | None, int | None]:
         if not token:
@@ -321,22 +323,38 @@ class Tokenizer:
         assert self._byte_values is not None
         return self._byte_values
 
-    def detokenizer_tables(self, skip_special_tokens: bool) -> tuple[list[bytes], list[int]]:
+    def detokenizer_tables(self, skip_special_tokens: bool, keep: frozenset[int] = frozenset()
+                           ) -> tuple[list[bytes], list[int]]:
         """(bytes per id, byte-fallback value per id) as the detokenizer reads them. With
-        skip_special_tokens, special ids have no bytes and the value -2 ("removed before the decoder",
-        so it does not end a byte-fallback run). Built once per flag and shared by all requests."""
+        skip_special_tokens, special ids but those in `keep` (the output parsers' markers) have no bytes
+        and the value -2 ("removed before the decoder", so it does not end a byte-fallback run). Built once
+        per flag and kept set, and shared by all requests."""
         table = self.vocab_bytes()
         values = self.byte_fallback_values()
-        if not skip_special_tokens or not self.special_token_ids:
+        dropped = self.special_token_ids - keep
+        if not skip_special_tokens or not dropped:
             return table, values
-        if self._skip_tables is None:
+        key = frozenset(keep & self.special_token_ids)
+        tables = self._skip_tables.get(key)
+        if tables is None:
             with self._lock:
-                if self._skip_tables is None:
+                tables = self._skip_tables.get(key)
+                if tables is None:
                     skip_table, skip_values = list(table), list(values)
-                    for i in self.special_token_ids:
+                    for i in dropped:
                         skip_table[i], skip_values[i] = b"", -2
-                    self._skip_tables = (skip_table, skip_values)
-        return self._skip_tables
+                    tables = (skip_table, skip_values)
+                    # Kept sets come from the parsers' markers, a handful per server; a bound all the same.
+                    if len(self._skip_tables) >= MAX_SKIP_TABLES:
+                        self._skip_tables.clear()
+                    self._skip_tables[key] = tables
+        return tables
+
+    def special_ids_of(self, texts: Iterable[str]) -> frozenset[int]:
+        """The ids of those `texts` that are special tokens of this vocabulary (the others: not special, or
+        not one token), e.g. which output-parser markers skip_special_tokens would drop."""
+        ids = (self._tok.token_to_id(text) for text in texts)
+        return frozenset(i for i in ids if i is not None and i in self.special_token_ids)
 
     def _build_tables(self) -> None:
         table = [b""] * self.vocab_size

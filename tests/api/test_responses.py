@@ -269,6 +269,9 @@ def test_previous_response_id_chains_the_conversation_from_the_prefix_cache(serv
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata"),
     ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata"),
+    ({"input": "x", "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_unsupported_or_bad_fields_get_a_400_naming_them(server, body, param):
     status, payload = post(server, {"model": MODEL, **body})
@@ -434,3 +437,78 @@ def test_a_chain_past_its_turn_bound_is_refused_so_the_store_stays_bounded(serve
                                  "previous_response_id": second["id"]})
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == "previous_response_id" and "2 turns" in error["message"]
+
+
+LOGPROBS = "message.output_text.logprobs"
+
+
+def _check_entries(entries: list[dict], text: str, num_top: int) -> None:
+    """OpenAI's logprob entries, whose bytes spell `text` (a random model's invalid UTF-8 shows as U+FFFD)."""
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", errors="replace") == text
+    for e in entries:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and e["logprob"] <= 0
+        assert len(e["top_logprobs"]) == num_top
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in e["top_logprobs"])
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True) and e["logprob"] <= tops[0] + 1e-6
+
+
+def test_include_logprobs_fills_the_output_text_part_like_chat_s(server, client):
+    r = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0, top_logprobs=3,
+                                include=[LOGPROBS])
+    assert r.top_logprobs == 3
+    [message] = r.output
+    part = message.content[0].model_dump()
+    _check_entries(part["logprobs"], part["text"], 3)
+    assert len(part["logprobs"]) == r.usage.output_tokens == 8
+    chat = openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=3)
+    expected = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert [(e["token"], e["bytes"]) for e in part["logprobs"]] == [(e["token"], e["bytes"]) for e in expected]
+    assert [e["logprob"] for e in part["logprobs"]] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    # top_logprobs alone adds nothing, as OpenAI: logprobs come only with include.
+    plain = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=4, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_include_logprobs_puts_each_delta_s_tokens_on_its_event(server, client):
+    status, payload = post(server, {"model": MODEL, "input": "Tell a story.", "stream": True, "max_output_tokens": 24,
+                                    "include": [LOGPROBS], "top_logprobs": 2, "seed": 3})
+    assert status == 200
+    events = [orjson.loads(chunk.split(b"\n")[1].removeprefix(b"data: "))
+              for chunk in dechunk(payload).split(b"\n\n") if chunk]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all(e["logprobs"] for e in deltas)
+    for e in deltas:
+        _check_entries(e["logprobs"], e["delta"], 2)
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    final = events[-1]["response"]
+    part = final["output"][0]["content"][0]
+    assert done["logprobs"] == part["logprobs"] == [x for e in deltas for x in e["logprobs"]]
+    assert len(part["logprobs"]) == final["usage"]["output_tokens"]
+    # The SDK reads the same shapes, streamed.
+    stream = client.responses.create(model=MODEL, input="Tell a story.", max_output_tokens=6, temperature=0,
+                                     include=[LOGPROBS], top_logprobs=1, stream=True)
+    sdk_deltas = [e for e in stream if e.type == "response.output_text.delta"]
+    assert sum(len(e.logprobs) for e in sdk_deltas) == 6
+    assert all(len(lp.top_logprobs) == 1 for e in sdk_deltas for lp in e.logprobs)
+
+
+def test_output_items_give_logprobs_to_the_text_they_made_only():
+    out = OutputItems()
+    entry = [{"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": []}]
+    events = []
+    out.add_logprobs(entry * 2)
+    events += out.feed({"reasoning_content": "rr"})  # reasoning tokens: not the message's
+    out.add_logprobs(entry)
+    events += out.feed({"content": " "})  # whitespace before any text waits, and its tokens with it
+    out.add_logprobs(entry)
+    events += out.feed({"content": "a"})
+    out.add_logprobs(entry)
+    events += out.feed({"tool_calls": [{"index": 0, "id": "c", "type": "function",
+                                        "function": {"name": "f", "arguments": "{}"}}]})
+    events += out.finish("completed")
+    [delta] = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert delta["delta"] == " a" and delta["logprobs"] == entry * 2
+    assert out.items[1]["content"][0]["logprobs"] == entry * 2

@@ -47,7 +47,8 @@ class OutputProcessor:
             from rawserve.text.detokenizer import IncrementalDetokenizer
             from rawserve.text.stop import StopChecker
 
-            self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
+                                                 keep_special=params.keep_special_tokens)
             self._stop = StopChecker(params.stop, params.include_stop_str_in_output)
         self._last: RequestOutput | None = None  # the latest core output: its counts end an abort
 

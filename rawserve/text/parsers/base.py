@@ -37,12 +37,19 @@ def split_at(buffer: str, tag: str) -> tuple[str, str | None, str]:
 
 
 class ReasoningParser(Protocol):
-    """Splits output into reasoning and content. feed returns content/reasoning_content events."""
+    """Splits output into reasoning and content. feed returns content/reasoning_content events.
+
+    `markers`: the tag strings it reads (and never shows); the detokenizer keeps them even when the
+    tokenizer calls them special tokens, which skip_special_tokens would otherwise drop before the parser."""
+
+    markers: tuple[str, ...]
 
     def feed(self, text: str, final: bool) -> list[Event]: ...
 
 
 class ToolParser(Protocol):
-    """Finds tool calls in content. feed returns content, call and args events."""
+    """Finds tool calls in content. feed returns content, call and args events. `markers`: as ReasoningParser's."""
+
+    markers: tuple[str, ...]
 
     def feed(self, text: str, final: bool) -> list[Event]: ...

@@ -27,6 +27,7 @@ class HermesToolParser:
 
     open_tag = "<tool_call>"
     close_tag = "</tool_call>"
+    markers = (open_tag, close_tag)
 
     def __init__(self) -> None:
         self._state = _TEXT

@@ -22,6 +22,7 @@ class Llama3JsonToolParser:
     """
 
     python_tag = "<|python_tag|>"
+    markers = (python_tag,)
 
     def __init__(self) -> None:
         self._state = _START

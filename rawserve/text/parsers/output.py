@@ -5,7 +5,7 @@ Chains a reasoning parser and a tool-call parser chosen by name, and merges thei
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from rawserve.text.parsers.base import Event, ReasoningParser, ToolParser
 from rawserve.text.parsers.hermes import HermesToolParser
@@ -40,6 +40,10 @@ class OutputParser:
     (see prompt_opens_reasoning); None takes the parser's default. Deltas are never empty; a tool
     call's first delta carries index, id, type and name with empty arguments, later ones argument
     fragments. `has_tool_calls` tells the API to finish with "tool_calls".
+
+    `markers` are the tags the chosen parsers read. `hidden_markers` (those of them the tokenizer holds as
+    special tokens, which the detokenizer keeps for the parsers) never show in content or reasoning, not even
+    in a block that falls back to text: with skip_special_tokens they would not have been there at all.
     """
 
     def __init__(
@@ -49,10 +53,14 @@ class OutputParser:
         *,
         tool_parser: str = "hermes",
         starts_in_reasoning: bool | None = None,
+        hidden_markers: Iterable[str] = (),
     ) -> None:
         check_parser_names(reasoning, tool_parser)
         self._reasoning = REASONING_PARSERS[reasoning](starts_in_reasoning) if reasoning else None
         self._tools = TOOL_PARSERS[tool_parser]() if use_tools else None
+        self.markers: tuple[str, ...] = ((self._reasoning.markers if self._reasoning is not None else ())
+                                         + (self._tools.markers if self._tools is not None else ()))
+        self._hidden = tuple(m for m in hidden_markers if m)
         self.has_tool_calls = False
         self._finished = False
 
@@ -99,6 +107,8 @@ class OutputParser:
                     last = ("args", index)
             else:
                 text = event[1]
+                for marker in self._hidden:  # a special token's text arrives whole: no split to hold back
+                    text = text.replace(marker, "")
                 if not text:
                     continue
                 if last == (kind, None):

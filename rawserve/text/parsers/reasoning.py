@@ -32,6 +32,7 @@ class ThinkReasoningParser:
     def __init__(self, starts_in_reasoning: bool = False, start_tag: str = "<think>",
                  end_tag: str = "</think>") -> None:
         self._start_tag, self._end_tag = start_tag, end_tag
+        self.markers = (start_tag, end_tag)
         self._state = _OPENING if starts_in_reasoning else _START
         self._held = ""
         self._reasoning_started = False  # leading whitespace of the reasoning is dropped
