@@ -9,6 +9,10 @@ pool at that dtype. Both servers get the same context capacity: --streams sequen
 --ctx tokens (rawserve: --max-num-seqs/--max-model-len; llama-server: -np/-c streams*ctx). Checkpoints and GGUFs
 come from ../shared/peers (`run.sh setup`, $PEERS_ROOT); without them rawserve runs alone on bench/checkpoints'
 random checkpoints of the same shapes, and the llama-server line says why it is missing.
+
+python -m bench.memory --abuse [--abuse-max-tokens 1000] [-- FLAGS]: the engine core's RSS through an abuse burst on
+the demo model with its default flags (`python -m rawserve`, as issue 33 ran it): one JSON line each for idle, the
+burst's peak and the burst's end, then a line per second until it is back within 1.2x of idle (or 30 s pass).
 """
 from __future__ import annotations
 
@@ -217,6 +221,92 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
     return out
 
 
+def core_pid(server_pid: int) -> int | None:
+    """The engine core: the largest process under the server."""
+    under = [p for p in descendants(server_pid) if p != server_pid]
+    return max(under, key=lambda p: status_kib(p, "VmRSS"), default=None)
+
+
+def post_json(port: int, body: dict, errors: list, walk_away_after: int | None = None) -> None:
+    """A completion; with walk_away_after, streamed and dropped after that many events, as a client that gives up."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": walk_away_after is not None}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            errors.append(f"{response.status} {response.read()[:200]!r}")
+        elif walk_away_after is None:
+            response.read()
+        else:
+            seen = 0
+            while seen < walk_away_after and (line := response.readline()):
+                seen += line.startswith(b"data: {")
+        conn.close()
+    except OSError as error:
+        errors.append(repr(error))
+
+
+def abuse(args: argparse.Namespace) -> None:
+    """The demo model under `python -m rawserve`'s defaults: idle, a burst of many-sequence requests (n=128, long
+    max_tokens, some dropped mid-stream) beside distinct prompts, and how soon the core comes back near idle."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rawserve", "--port", str(port), "--engine-mode", "process", "--no-log-requests",
+           *args.flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    stderr: list[bytes] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    common = {"bench": "memory_abuse", "model": "demo", "flags": args.flags, "rev": rev()}
+    try:
+        wait_healthy(port, proc, "/ready")
+        core = core_pid(proc.pid)
+        summary = [line.decode(errors="replace") for line in stderr if b" serving '" in line]
+        time.sleep(2)
+        idle = status_kib(core, "VmRSS")
+        print(json.dumps({**common, "phase": "idle", "core_mib": round(idle / 1024, 1),
+                          "kv_cache": summary[-1].partition("KV cache ")[2].partition(", engine in")[0]
+                          if summary else None}), flush=True)
+        errors: list[str] = []
+        words = "once upon a time there was a small model that served many streams".split()
+        bodies = [({"prompt": "tell me a story", "n": 128, "max_tokens": args.abuse_max_tokens, "ignore_eos": True,
+                    "temperature": 1.0}, None),
+                  ({"prompt": "tell me another", "n": 128, "max_tokens": args.abuse_max_tokens, "ignore_eos": True,
+                    "temperature": 1.0}, 2048)]
+        bodies += [({"prompt": " ".join(words[(i + j) % len(words)] for j in range(args.prompt_words)) + f" {i}",
+                     "max_tokens": args.max_tokens, "ignore_eos": True}, 4 if i % 4 == 0 else None)
+                   for i in range(args.streams)]
+        threads = [threading.Thread(target=post_json, args=(port, body, errors, cut)) for body, cut in bodies]
+        peak, t0 = idle, time.monotonic()
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak = max(peak, status_kib(core, "VmRSS"))
+            time.sleep(0.05)
+        end = status_kib(core, "VmRSS")
+        print(json.dumps({**common, "phase": "peak", "core_mib": round(peak / 1024, 1),
+                          "burst_s": round(time.monotonic() - t0, 1), "errors": errors[:3]}), flush=True)
+        print(json.dumps({**common, "phase": "burst_end", "core_mib": round(end / 1024, 1)}), flush=True)
+        t0 = time.monotonic()
+        while True:
+            time.sleep(1)
+            now = status_kib(core, "VmRSS")
+            settled = now <= 1.2 * idle
+            print(json.dumps({**common, "phase": "after", "s": round(time.monotonic() - t0, 1),
+                              "core_mib": round(now / 1024, 1), "ratio_to_idle": round(now / idle, 2),
+                              "within_1_2x": settled}), flush=True)
+            if settled or time.monotonic() - t0 > 30:
+                break
+    except RuntimeError as error:
+        print(json.dumps({**common, "error": f"{error}: {b''.join(stderr)[-600:].decode(errors='replace')}"}))
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def checkpoint(model: str, dtype: str) -> tuple[pathlib.Path, pathlib.Path | None]:
     """(HF checkpoint directory, GGUF file or None): the peers' pair when set up, else our own checkpoint."""
     peers_dir = PEERS_ROOT / "models" / f"qwen3-{model}-random"
@@ -274,8 +364,13 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-peer", action="store_true", help="rawserve alone.")
+    parser.add_argument("--abuse", action="store_true", help="The demo model's abuse burst (see above), alone.")
+    parser.add_argument("--abuse-max-tokens", type=int, default=1000, help="max_tokens of the n=128 requests.")
     parser.add_argument("flags", nargs="*", help="Extra rawserve flags (after --).")
     args = parser.parse_args()
+    if args.abuse:
+        abuse(args)
+        return
     threads = str(os.cpu_count() or 1)
     for model in args.models.split(","):
         for dtype in args.dtypes.split(","):

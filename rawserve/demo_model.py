@@ -7,6 +7,7 @@ import argparse
 import ctypes
 import dataclasses
 import hashlib
+import importlib.metadata
 import importlib.resources
 import json
 import logging
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from typing import Any, Iterable, Iterator, Sequence
 
-from rawserve.logs import Progress
+from rawserve.logs import Progress, ignore_torch_numpy_warning
 
 log = logging.getLogger("rawserve.demo_model")
 
@@ -32,6 +33,10 @@ DEMO_MAX_POSITIONS = 4096
 DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
               "tokenizer_config.json")
 INIT_STD = 0.02
+# `rawserve serve` without a checkpoint serves this model with these defaults, for the flags the user left unset.
+# The checkpoint allows 4,096 positions and the engine 256 sequences by default: 1M tokens, a 2 GiB KV pool (and as
+# much resident after an abuse burst) for a model of 1M parameters. 32 x 1,024 is 64 MiB at float32.
+DEMO_SERVING_DEFAULTS = {"max_num_seqs": 32, "max_model_len": 1024}
 
 # name -> (torch dtype name, safetensors dtype tag, bytes per element)
 _DTYPES = {"float32": ("float32", "F32", 4), "bfloat16": ("bfloat16", "BF16", 2),
@@ -122,6 +127,7 @@ def random_weight_chunks(name: str, dims: tuple[int, ...], seed: int, dtype: str
     with ATEN_CPU_CAPABILITY=default), so the bytes would depend on the CPU. Integer draws, an
     exact int->float conversion and one IEEE multiply are the same everywhere. Norms are 1.
     """
+    ignore_torch_numpy_warning()  # a first build may be the process's first torch import (the server's, the demo's)
     import torch
 
     numel, out_dtype = _numel(dims), getattr(torch, dtype)
@@ -314,13 +320,14 @@ def build_demo_model(directory: str | pathlib.Path) -> pathlib.Path:
 
 def builder_inputs_hash() -> str:
     """A short hash of everything the demo bytes depend on: this code, the packaged data, and the
-    versions of the libraries that train and draw them. A change to any of them means a new cache entry."""
-    import tokenizers
-    import torch
+    versions of the libraries that train and draw them. A change to any of them means a new cache entry.
 
+    The versions come from the installed packages' metadata (the same strings as their __version__), not
+    from importing them: the server's process finds its cached model here and must load no torch."""
     digest = hashlib.sha256()
     parts = [("source", pathlib.Path(__file__).read_bytes()), ("template", chat_template().encode()),
-             ("tokenizers", tokenizers.__version__.encode()), ("torch", torch.__version__.encode())]
+             ("tokenizers", importlib.metadata.version("tokenizers").encode()),
+             ("torch", importlib.metadata.version("torch").encode())]
     parts += [(name, text.encode()) for name, text in corpus_texts()]
     for label, blob in parts:
         digest.update(f"{label}:{len(blob)}:".encode())
@@ -332,6 +339,24 @@ def default_cache_dir() -> pathlib.Path:
     # XDG_CACHE_HOME only says where the standard user cache lives; it changes no behaviour.
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "rawserve"
+
+
+def apply_demo_defaults(config: Any, argv: Sequence[str]) -> str | None:
+    """Set DEMO_SERVING_DEFAULTS on an EngineConfig for each flag neither `argv` nor the environment set (a value
+    other than the flag's own default); returns the sentence the server logs, or None when none applied."""
+    named = {arg.split("=", 1)[0] for arg in argv}
+    applied = []
+    for name, value in DEMO_SERVING_DEFAULTS.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in named or getattr(config, name) != type(config).__dataclass_fields__[name].default:
+            continue
+        setattr(config, name, value)
+        applied.append(f"{flag} {value}")
+    if not applied:
+        return None
+    return (f"demo model: {', '.join(applied)} by default, so its KV pool fits a 1M-parameter model (the engine's "
+            f"defaults, 256 sequences x 4096 tokens, would make it 1M tokens, 2 GiB at float32); set the flags to "
+            f"change it")
 
 
 def ensure_demo_model(cache_dir: str | pathlib.Path | None = None) -> pathlib.Path:

@@ -1,5 +1,6 @@
 """The standard process_* metrics (as Prometheus client libraries export them) read from /proc, the engine
-core process's resident memory when it runs apart, and the C heap's policy (keep_freed_heap, release_free_heap).
+core process's resident memory when it runs apart, and giving memory back: the C heap's policy (keep_freed_heap,
+release_free_heap) and pages of memory still in use (release_pages).
 
 Standard library only; on a system without /proc it renders nothing.
 """
@@ -9,6 +10,7 @@ import ctypes
 import os
 import pathlib
 import resource
+import sys
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -28,6 +30,29 @@ def release_free_heap() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+_MADV_DONTNEED = 4  # Linux's value (sys/mman.h)
+
+
+def release_pages(address: int, num_bytes: int) -> int:
+    """Hand the whole pages inside [address, address + num_bytes) back to the kernel (madvise MADV_DONTNEED) and
+    return how many bytes that was; 0 off Linux, without libc's madvise, or when the kernel refuses.
+
+    For memory a process still owns but will not read until it writes it again (the KV pool's idle blocks: the
+    allocator cannot return a chunk that is still in use, and malloc_trim walks only free ones). Anonymous private
+    pages read back as zeros afterwards; the partial pages at either end stay as they are.
+    """
+    start = -(-address // _PAGE_BYTES) * _PAGE_BYTES
+    end = (address + num_bytes) // _PAGE_BYTES * _PAGE_BYTES
+    if end <= start or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        madvise = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return end - start if madvise(start, end - start, _MADV_DONTNEED) == 0 else 0
 
 
 # glibc's mallopt parameters (malloc.h)

@@ -257,3 +257,22 @@ def test_a_limit_too_small_for_the_weights_is_refused_at_start_with_the_numbers(
     assert re.search(r"not enough memory for the weights: they need \d+ MiB as (bfloat16|float32) and a step about "
                      r"\d+ MiB more, and \d+ MiB is left under the cgroup v[12] limit 300 MiB", log), log
     assert "exited with code -9" not in log  # refused, not OOM-killed
+
+
+def test_the_demo_model_gets_its_own_pool_defaults_unless_a_flag_or_the_environment_says_otherwise():
+    from rawserve.config import EngineConfig, build_parser, configs_from_args
+    from rawserve.demo_model import DEMO_SERVING_DEFAULTS, apply_demo_defaults
+
+    config = EngineConfig()
+    note = apply_demo_defaults(config, [])
+    assert (config.max_num_seqs, config.max_model_len) == (32, 1024) == tuple(DEMO_SERVING_DEFAULTS.values())
+    assert note.startswith("demo model: --max-num-seqs 32, --max-model-len 1024 by default") and "2 GiB" in note
+    # 32 x 1024 tokens at the demo model's 2 KiB a token (4 layers x K,V x 2 heads x 32 x float32): 64 MiB
+    assert plan(block_bytes=16 * 2048, max_num_seqs=32, max_model_len=1024).num_bytes == 64 * MIB
+    argv = ["--max-num-seqs", "256"]
+    config, _ = configs_from_args(build_parser(environ={"RAWSERVE_MAX_MODEL_LEN": "4096"}).parse_args(argv))
+    assert apply_demo_defaults(config, argv) is None
+    assert (config.max_num_seqs, config.max_model_len) == (256, 4096)
+    config, _ = configs_from_args(build_parser(environ={}).parse_args(["--max-model-len=512"]))
+    assert "--max-num-seqs 32 by" in apply_demo_defaults(config, ["--max-model-len=512"])
+    assert (config.max_num_seqs, config.max_model_len) == (32, 512)

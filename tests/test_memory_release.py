@@ -1,12 +1,16 @@
-"""Memory a burst leaves behind: a spawned core and the server hand their heap back once idle (HeapRelease), and a
-process core starts no helper process (launch.spawn_context)."""
+"""Memory a burst leaves behind: a spawned core and the server hand their heap back once idle (HeapRelease), the core
+its KV pages too (release_idle_kv, correct for the requests after it), and a process core starts no helper process."""
 from __future__ import annotations
 
 import asyncio
 import functools
+import http.client
+import json
 import os
 import pathlib
+import random
 import sys
+import threading
 import time
 
 import pytest
@@ -200,3 +204,122 @@ def test_kept_heap_serves_a_steps_large_tensors_without_fresh_pages(policy):
         assert faults < pages // 20
     else:
         assert faults > pages // 2  # what the kept heap saves
+
+
+def test_idle_kv_release_moves_the_kept_prefix_cache_down_and_later_requests_match_a_fresh_engine(tiny_qwen3_dir):
+    from rawserve.engine.kv_cache import extend_block_hashes
+    from tests.engine.test_core import BLOCK, greedy, make_core, prompt, run
+
+    core = make_core(tiny_qwen3_dir, num_kv_blocks=256)
+    shared = prompt(6 * BLOCK, seed=40)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=16)
+    # Older work first, on the low ids; the shared-prefix requests then take fresh, higher ones (plain blocks go
+    # before cached ones), and are the newest in the prefix cache when the engine goes idle.
+    run(core, [(f"old{i}", prompt(40, seed=30 + i), greedy(24)) for i in range(4)])
+    run(core, [(f"a{i}", shared + prompt(5, seed=41 + i), greedy(16)) for i in range(3)])
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, shared, BLOCK, b"")
+    before = core.blocks.lookup(hashes, len(hashes))
+    zeroed = core.runner._num_zeroed
+    assert len(before) == 6 and min(before) >= core.runner.idle_cached_blocks
+
+    released = core.release_idle_kv()
+    after = core.blocks.lookup(hashes, len(hashes))
+    assert len(after) == 6 and max(after) < core.runner.idle_cached_blocks  # kept, and moved to the lowest ids
+    top = max(core.blocks.free_cached) + 1  # nothing above the kept blocks is held or cached
+    assert top == core.runner.idle_cached_blocks < zeroed
+    assert released >= 2 * 2 * (zeroed - top - 8) * BLOCK * 2 * 32 * 4  # K and V of 2 layers, page ends aside
+    # What the pool held above `top` is anyone's now: stand in for it with NaN (0 x NaN would spoil a step that
+    # read a slot never written since). Blocks handed out from there on are zeroed again first.
+    for k_cache, v_cache in core.runner.kv_caches:
+        k_cache[top:] = float("nan")
+        v_cache[top:] = float("nan")
+    later = [("again", shared + prompt(5, seed=41), greedy(16)), ("new", prompt(37, seed=60), greedy(16)),
+             ("sampled", shared + prompt(9, seed=61), sampled), ("old0", prompt(40, seed=30), greedy(16))]
+    tokens, final, _ = run(core, later)
+    assert final["again"].num_cached_tokens >= 6 * BLOCK and final["sampled"].num_cached_tokens >= 6 * BLOCK
+    assert final["old0"].num_cached_tokens == 0  # evicted: the idle engine kept only the newest blocks
+    fresh, _, _ = run(make_core(tiny_qwen3_dir, num_kv_blocks=256), later)
+    assert tokens == fresh
+
+
+def wide_kv_checkpoint(root: pathlib.Path) -> pathlib.Path:
+    """A tiny model whose KV is wide (4 layers x 8 KV heads x 128: 32 KiB a token at float32), with the demo model's
+    tokenizer: a burst fills a large pool in a few hundred steps, as a real model's would."""
+    import shutil
+
+    from rawserve.demo_model import Qwen3Shape, ensure_demo_model, write_qwen3_checkpoint
+
+    shape = Qwen3Shape(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=1024)
+    directory = write_qwen3_checkpoint(root / "wide-kv", shape, seed=0, bos_token_id=None, eos_token_id=2,
+                                       generation_config={"eos_token_id": [2]})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_demo_model() / name, directory / name)
+    return directory
+
+
+def _complete(port: int, body: dict, results: list) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        choices = json.loads(response.read()).get("choices", [])
+        results.append((response.status, len(choices)))
+    finally:
+        conn.close()
+
+
+def _walk_away(port: int, body: dict, num_events: int, results: list) -> None:
+    """Stream `body` and close the connection after `num_events` events, as a client that gives up does."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        seen = 0
+        while seen < num_events and (line := response.readline()):
+            seen += line.startswith(b"data: {")
+        results.append((response.status, seen))
+    finally:
+        conn.close()
+
+
+def test_the_core_gives_a_bursts_kv_pages_back_within_30_s(tmp_path):
+    from tests.test_cli import Server
+
+    model_dir = wide_kv_checkpoint(tmp_path)
+    # auto sizing: what 64 sequences x 128 tokens can use, 256 MiB; an idle engine keeps 1/16 of it cached
+    command = [sys.executable, "-m", "rawserve", "serve", str(model_dir), "--port", "0", "--engine-mode", "process",
+               "--no-log-requests", "--dtype", "float32", "--max-num-seqs", "64", "--max-model-len", "128"]
+    with Server(command) as server:
+        assert "KV cache 8192 tokens (512 blocks of 16, 256.0 MiB) [what 64 sequences x 128 tokens" in server.lines[-1]
+        (core,) = children(server.proc.pid)
+        idle = settled_rss_kib(core)
+        rng = random.Random(0)
+        results: list = []
+        # 48 distinct prompts (their prefill fills the pool fast), and 128 samples as long as the context allows
+        # from a client that walks away mid-stream
+        threads = [threading.Thread(target=_complete, args=(server.port, {
+            "prompt": [rng.randrange(10, 2000) for _ in range(110)], "max_tokens": 16, "ignore_eos": True}, results))
+            for _ in range(48)]
+        threads.append(threading.Thread(target=_walk_away, args=(server.port, {
+            "prompt": "once upon a time", "n": 128, "max_tokens": 120, "ignore_eos": True, "temperature": 1.0},
+            256, results)))
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        peak = idle
+        while any(t.is_alive() for t in threads):
+            peak = max(peak, status_kib(core, "VmRSS"))
+            time.sleep(0.05)
+        took = time.monotonic() - start
+        assert sorted(results) == [(200, 1)] * 48 + [(200, 256)]
+        deadline, now = time.monotonic() + 30, status_kib(core, "VmRSS")
+        while now > 1.2 * idle and time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = status_kib(core, "VmRSS")
+        print(f"core RSS idle {idle / 1024:.0f} MiB, burst ({took:.1f} s) peak {peak / 1024:.0f}, "
+              f"{30 - (deadline - time.monotonic()):.1f} s later {now / 1024:.0f}")
+        assert peak - idle > 150 * 1024  # the burst did fill most of the pool
+        assert now <= 1.2 * idle, (idle, peak, now)

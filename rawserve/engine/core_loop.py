@@ -10,11 +10,10 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
+from rawserve.engine.core_summary import describe_core
 from rawserve.engine.ipc import Receiver, Sender
-from rawserve.engine.launch import describe_core
 from rawserve.engine.messages import HEARTBEAT_INTERVAL_S, Message, MsgKind
 from rawserve.process_stats import HeapRelease
 
@@ -37,18 +36,28 @@ def _send(outputs: Sender, msgs: list[Message]) -> None:
         raise _FrontendGone(repr(error)) from error
 
 
-def _finished_lora_reads(core: Any, reads: list[tuple[int, str, Future]]) -> list[Message]:
-    """LORA_DONE for each adapter read that has finished (registered, or its error); the rest stay in `reads`."""
-    done: list[Message] = []
-    for entry in [entry for entry in reads if entry[2].done()]:
-        reads.remove(entry)
-        token, name, future = entry
-        try:
-            core.finish_lora_load(name, future)
-            done.append((MsgKind.LORA_DONE, (token, None, None)))
-        except ValueError as error:  # LoraError: the adapter directory is wrong, and the message says how
-            done.append((MsgKind.LORA_DONE, (token, str(error), "bad")))
-    return done
+def _lora_op(core: Any, token: int, op: str, name: str, path: str | None) -> list[Message]:
+    """Start a client's load (answered by _finished_lora_loads once read) or unload now; LORA_DONE for what is
+    answered at once. Codes: "unknown" (no such adapter), or LoraRefused's ("name", "disabled", "busy")."""
+    registry = getattr(core, "loras", None)
+    try:
+        if registry is None:
+            return [(MsgKind.LORA_DONE, (token, "lora: this engine has no LoRA support", "disabled"))]
+        registry.check_runtime_updates()
+        if op == "load":
+            registry.start_load(token, name, path)
+            return []
+        registry.unload(name)
+        return [(MsgKind.LORA_DONE, (token, None, None))]
+    except KeyError:
+        return [(MsgKind.LORA_DONE, (token, f"no adapter named {name!r} is loaded", "unknown"))]
+    except ValueError as error:  # LoraRefused: the name is in use, updates are off, too many reads
+        return [(MsgKind.LORA_DONE, (token, str(error), getattr(error, "code", "bad")))]
+
+
+def _finished_lora_loads(core: Any) -> list[Message]:
+    """LORA_DONE for each run-time load that has finished, failed or run past its deadline."""
+    return [(MsgKind.LORA_DONE, done) for done in core.loras.finished_loads()]
 
 
 def _send_or_beat(outputs: Sender, msgs: list[Message], last_sent: float) -> float:
@@ -87,7 +96,9 @@ def run_core(factory: Callable[[], Any], inputs: Receiver, outputs: Sender, *,
             return
         _send(outputs, [(MsgKind.READY, {"max_model_len": core.max_model_len, "num_blocks": core.num_blocks,
                                           "vocab_size": core.vocab_size, "pid": os.getpid(),
-                                          "loras": core.lora_paths() if hasattr(core, "lora_paths") else {},
+                                          "loras": core.loras.paths() if hasattr(core, "loras") else {},
+                                          "lora_runtime_updating": getattr(getattr(core, "loras", None),
+                                                                           "allows_runtime_updates", False),
                                           **describe_core(core)}),  # device, dtype, params: the startup summary's
                         (MsgKind.STATS, core.stats())])
         try:
@@ -115,8 +126,8 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
     parent = multiprocessing.parent_process()
     was_busy = False
     last_stats = last_sent = time.monotonic()
-    lora_reads: list[tuple[int, str, Future]] = []  # (token, name, read) of adapters being read off this thread
     heap = HeapRelease()  # an idle core hands back what its steps freed
+    release_kv = getattr(core, "release_idle_kv", None)  # and the KV pages no request holds (EngineCore's)
     while True:
         is_busy = core.has_unfinished
         if not is_busy and was_busy:  # just went idle (finished or aborted): report the freed blocks now
@@ -126,10 +137,18 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
         was_busy = is_busy
         if is_busy:
             heap.went_busy()
-        else:
-            heap.run_if_due(time.monotonic())
+        elif heap.run_if_due(time.monotonic()) and release_kv is not None:
+            try:
+                released = release_kv()
+            except Exception as error:  # noqa: BLE001 - block ids and KV may disagree now: fatal, seen by every request
+                log.exception("engine core failed giving KV pages back")
+                _send(outputs, [(MsgKind.FATAL, f"engine KV release failed: {error!r}")])
+                return
+            if released:
+                log.debug("idle: gave back %d MiB of KV pages", released >> 20)
         try:
-            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if lora_reads else
+            loading = hasattr(core, "loras") and core.loras.has_pending_loads
+            msgs = inputs.recv(0 if is_busy else _LORA_POLL_S if loading else
                                heap.wait_s(time.monotonic(), _IDLE_POLL_S))
         except EOFError:  # the frontend closed its end: nobody will send more work
             return
@@ -152,17 +171,7 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
                     _send(outputs, [*replies, (MsgKind.FATAL, f"engine add_request failed: {error!r}")])
                     return
             elif kind == MsgKind.LORA:
-                token, op, name, path = payload
-                try:
-                    if op == "load":  # answered when the reader thread is done (_finished_lora_reads)
-                        lora_reads.append((token, name, core.start_lora_load(name, path)))
-                    else:
-                        core.unload_lora(name)
-                        replies.append((MsgKind.LORA_DONE, (token, None, None)))
-                except KeyError:
-                    replies.append((MsgKind.LORA_DONE, (token, f"no adapter named {name!r} is loaded", "unknown")))
-                except ValueError as error:  # a bad adapter directory (LoraError) or a name in use
-                    replies.append((MsgKind.LORA_DONE, (token, str(error), "bad")))
+                replies.extend(_lora_op(core, *payload))
             elif kind == MsgKind.ABORT:
                 try:
                     core.abort_request(payload)
@@ -172,8 +181,8 @@ def _serve(core: Any, inputs: Receiver, outputs: Sender, stats_interval_s: float
                     return
             else:
                 log.error("core loop ignores unknown message kind %r", kind)
-        if lora_reads:
-            replies.extend(_finished_lora_reads(core, lora_reads))
+        if hasattr(core, "loras") and core.loras.has_pending_loads:
+            replies.extend(_finished_lora_loads(core))
         if not core.has_unfinished:
             last_sent = _send_or_beat(outputs, replies, last_sent)
             continue

@@ -53,7 +53,8 @@ class KVCacheManager:
 
     Free cached blocks keep their contents and their key until LRU eviction, so a later request with the
     same prefix can take them back. Allocation prefers plain free blocks and evicts the least recently
-    freed cached block only when none is left.
+    freed cached block only when none is left. Ids in use stay a low prefix of the pool (fresh blocks go out
+    lowest first, and `compact` packs what an idle engine keeps), so the pages above it may be given back.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -150,6 +151,48 @@ class KVCacheManager:
                 else:  # reused first: fresh blocks stay untouched (unzeroed, unmapped) while recycled ones do
                     self.free_plain.appendleft(block)
         block_ids.clear()
+
+    def compact(self, keep_cached: int) -> tuple[list[tuple[int, int]], int]:
+        """Make room to give pages back: keep the `keep_cached` most recently freed cached blocks (evicting the
+        older ones), renumber them onto the lowest ids no request holds, and return (moves, top): the (from, to)
+        block copies the KV tensors must make, and the end of the ids still in use (held or cached). Every id
+        from `top` up is plain and free afterwards, and fresh blocks are handed out lowest first again, so the
+        pages above `top` may be dropped and stay untouched until the pool fills that far.
+
+        Held blocks (ref_count > 0) never move: a running request's table names them.
+        """
+        evict = max(0, len(self.free_cached) - max(0, keep_cached))
+        for _ in range(evict):  # oldest first
+            block, _ = self.free_cached.popitem(last=False)
+            del self.cached[self.block_keys[block]]
+            self.block_keys[block] = None
+        ref_counts = self.ref_counts
+        kept = set(self.free_cached)
+        # The lowest ids no request holds, one per kept block: the kept blocks already there stay, the others
+        # move into the rest. A target is never above the highest kept block, so it lies in the touched prefix.
+        targets = []
+        for block in range(self.num_blocks):
+            if len(targets) == len(kept):
+                break
+            if ref_counts[block] == 0:
+                targets.append(block)
+        target_set = set(targets)
+        sources = sorted(b for b in kept if b not in target_set)
+        dests = [b for b in targets if b not in kept]
+        moves = list(zip(sources, dests))
+        if moves:
+            renumber = dict(moves)
+            keys = self.block_keys
+            for src, dst in moves:
+                key = keys[src]
+                keys[dst], keys[src] = key, None
+                self.cached[key] = dst
+            self.free_cached = OrderedDict((renumber.get(b, b), None) for b in self.free_cached)  # LRU order kept
+        held = [b for b in range(self.num_blocks) if ref_counts[b]]
+        top = max((targets[-1] + 1) if targets else 0, (held[-1] + 1) if held else 0)
+        kept_now = set(self.free_cached)
+        self.free_plain = deque(b for b in range(self.num_blocks) if not ref_counts[b] and b not in kept_now)
+        return moves, top
 
     def publish_full_blocks(self, block_ids: list[int], block_hashes: list[bytes], num_published: int,
                             num_computed_tokens: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import sys
 
 import torch
 
@@ -21,11 +22,18 @@ from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
-from rawserve.process_stats import keep_freed_heap, release_free_heap
+from rawserve.process_stats import keep_freed_heap, release_free_heap, release_pages
 
 log = logging.getLogger("rawserve.engine")
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What an idle CPU engine keeps of its prefix cache (release_idle_kv): the most recently used blocks, up to this share
+# of the pool, this share of the process's resident memory once the pool exists, and this many bytes; the rest is
+# evicted and its pages go back to the kernel. A trade: more keeps longer multi-turn histories warm, but an idle
+# process should come back near where it started (issue 33's bar: within 1.2x).
+IDLE_PREFIX_CACHE_SHARE = 1 / 16
+IDLE_PREFIX_CACHE_RSS_SHARE = 0.1
+IDLE_PREFIX_CACHE_MAX_BYTES = 128 << 20
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -223,6 +231,7 @@ class ModelRunner:
                            torch.empty(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
         self._num_zeroed = 0
+        self._rss_at_start = memory.rss_bytes()  # what idle_cached_blocks measures against
         log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s): %s; %s attention", config.model_dir,
                  self.dtype, self.device, self.num_blocks * self.block_size, self.num_blocks, self.block_size,
                  memory.mib(self.kv_plan.num_bytes), self.kv_plan.reason, config.attention_backend)
@@ -304,13 +313,51 @@ class ModelRunner:
         """Zero blocks [_num_zeroed, top) before a step reads them. Never-written slots are read (and masked
         by a 0 probability), and 0 * NaN is NaN, so they must hold zeros, not whatever the allocator left.
         Zeroing on first use rather than at start keeps an unused pool unmapped; the KV manager hands out
-        fresh blocks lowest first, so the zeroed prefix grows with peak use."""
+        fresh blocks lowest first, so the zeroed prefix grows with peak use, and shrinks again when an idle engine
+        gives the pages above what it keeps back (release_idle_kv)."""
         if top <= self._num_zeroed:
             return
         for k_cache, v_cache in self.kv_caches:
             k_cache[self._num_zeroed:top].zero_()
             v_cache[self._num_zeroed:top].zero_()
         self._num_zeroed = top
+
+    @property
+    def releases_idle_kv(self) -> bool:
+        """Whether an idle engine gives KV pages back (release_idle_kv): on a CPU under Linux (process_stats.
+        release_pages; elsewhere evicting the prefix cache would gain nothing). A GPU's pool is reserved whole at
+        start, as vLLM's is, and stays."""
+        return self.device.type == "cpu" and bool(self.kv_caches) and sys.platform.startswith("linux")
+
+    @property
+    def idle_cached_blocks(self) -> int:
+        """How many prefix-cache blocks an idle engine keeps (IDLE_PREFIX_CACHE_SHARE, _RSS_SHARE, _MAX_BYTES)."""
+        most_bytes = min(IDLE_PREFIX_CACHE_MAX_BYTES, int(IDLE_PREFIX_CACHE_RSS_SHARE * self._rss_at_start))
+        return min(int(self.num_blocks * IDLE_PREFIX_CACHE_SHARE), most_bytes // self.block_bytes)
+
+    def release_idle_kv(self, moves: list[tuple[int, int]], top: int) -> int:
+        """Copy each (from, to) block of `moves` (KVCacheManager.compact's renumbering of the kept prefix cache),
+        then give back the pages of blocks [top, the zeroed prefix's end): no block there is held or cached.
+        Returns the bytes given back. Only while no step runs.
+
+        Those blocks are zeroed again when next handed out (_zero_blocks' mark comes down to `top`): dropped pages
+        read back as zeros, but the partial pages at each end of the range keep their old contents."""
+        if moves:
+            src = torch.tensor([m[0] for m in moves], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([m[1] for m in moves], dtype=torch.int64, device=self.device)
+            assert int(dst.max()) < self._num_zeroed, "a prefix-cache block moves past the zeroed prefix"
+            for k_cache, v_cache in self.kv_caches:  # [num_blocks, block_size, kv_heads, head_dim]
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+        zeroed, self._num_zeroed = self._num_zeroed, min(self._num_zeroed, top)
+        if top >= zeroed:
+            return 0
+        released = 0
+        for pair in self.kv_caches:
+            for cache in pair:
+                row_bytes = cache.stride(0) * cache.element_size()
+                released += release_pages(cache.data_ptr() + top * row_bytes, (zeroed - top) * row_bytes)
+        return released
 
     def _metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                       torch.Tensor]:

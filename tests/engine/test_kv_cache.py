@@ -189,3 +189,48 @@ def test_publish_full_blocks_is_a_no_op_without_prefix_caching():
     assert kv.allocate(a, 8)
     assert kv.publish_full_blocks(a, keys(tokens), 0, 8) == 0
     assert kv.cached == {}
+
+
+def test_compact_keeps_the_newest_cached_blocks_on_the_lowest_free_ids_and_says_where_use_ends():
+    kv = KVCacheManager(num_blocks=16, block_size=2)
+    tables = []
+    for i in range(5):  # five two-block prompts, published and freed in this order: blocks 0..9
+        table: list[int] = []
+        assert kv.allocate(table, 4)
+        kv.cache_blocks(table, keys([i, i, i, i], 2), 0, 2)
+        tables.append(list(table))
+        kv.free(table)
+    held: list[int] = []
+    assert kv.allocate(held, 2) and held == [10]  # a plain block still in use sits above them
+    moves, top = kv.compact(keep_cached=4)
+    # The four newest (prompts 3 and 4: blocks 6..9) stay, renumbered onto 0..3 with their contents copied.
+    assert sorted(moves) == [(6, 0), (7, 1), (8, 2), (9, 3)]
+    assert top == 11  # the held block does not move
+    assert kv.lookup(keys([0, 0, 0, 0], 2), 2) == []  # the oldest are evicted
+    assert kv.lookup(keys([4, 4, 4, 4], 2), 2) == [dict(moves)[b] for b in tables[4]]
+    assert kv.num_free_blocks == 15
+    kv.free(held)
+    moves, top = kv.compact(keep_cached=4)
+    assert (moves, top) == ([], 4)  # already compact: nothing moves, and nothing from 4 up is in use
+    fresh: list[int] = []
+    assert kv.allocate(fresh, 8) and fresh == [4, 5, 6, 7]  # lowest first again
+
+
+def test_compact_keeps_lru_order_and_evicting_everything_frees_the_whole_pool():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a: list[int] = []
+    b: list[int] = []
+    assert kv.allocate(a, 2) and kv.allocate(b, 2)
+    kv.cache_blocks(a, keys([1, 1], 2), 0, 1)
+    kv.cache_blocks(b, keys([2, 2], 2), 0, 1)
+    assert (a, b) == ([0], [1])
+    kv.free(b)  # b is freed first: the older of the two
+    kv.free(a)
+    moves, top = kv.compact(keep_cached=2)
+    assert (moves, top) == ([], 2)
+    c: list[int] = []
+    assert kv.allocate(c, 14)  # 7 blocks: the 6 plain ones, then the oldest cached one (b's)
+    assert kv.lookup(keys([1, 1], 2), 1) == [0] and kv.lookup(keys([2, 2], 2), 1) == []
+    kv.free(c)
+    moves, top = kv.compact(keep_cached=0)
+    assert (moves, top) == ([], 0) and kv.cached == {} and list(kv.free_plain) == list(range(8))
