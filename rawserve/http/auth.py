@@ -1,4 +1,5 @@
-"""Bearer API keys (`--api-key`, one or many) on every path but the probes'; 401 in OpenAI's shape.
+"""API keys (`--api-key`, one or many) on every path but the probes': `Authorization: Bearer <key>`, or
+`x-api-key: <key>` as Anthropic's clients send it (the same keys). 401 in the shape the path's API uses.
 
 /health, /ready and /metrics stay open for load balancers and scrapers; `--open-paths` may open more (e.g.
 /tokenize, /version). Knows nothing of per-key limits; that is the API layer's business.
@@ -29,12 +30,15 @@ class APIKeyAuth:
         if not self.is_enabled or path in self.open_paths:
             return None
         value = headers.get("authorization")
-        if value is None:
-            raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
-        scheme, _, key = value.partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise _unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
+        if value is not None:
+            scheme, _, key = value.partition(" ")
+            key = key.strip()
+            if scheme.lower() != "bearer" or not key:
+                raise _unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
+        else:
+            key = (headers.get("x-api-key") or "").strip()
+            if not key:
+                raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
         presented = key.encode("latin-1")  # the header's bytes exactly as sent
         # Compare against every key without stopping early, so the timing says nothing about
         # which key (or how much of one) matched.

@@ -9,7 +9,7 @@ from typing import Callable
 
 from rawserve.errors import APIError
 from rawserve.http.auth import APIKeyAuth
-from rawserve.http.messages import Request, RequestHead, Response, error_response
+from rawserve.http.messages import Request, RequestHead, Response
 from rawserve.http.routing import CORSPolicy, Handler, Router
 
 # How long a client refused by a drain should wait: by then a router or Service has moved it to another replica.
@@ -60,8 +60,12 @@ class Dispatcher:
             handler, request.path_params = self.router.resolve(head.method, head.path)
         except APIError as error:
             self.refused(request, error.status)
-            return error_response(error), cors_lines
+            return self.error_response(head.path, error), cors_lines
         return handler, cors_lines
+
+    def error_response(self, path: str | None, error: APIError) -> Response:
+        """`error` in the shape its path's API uses (the router's choice)."""
+        return self.router.error_response(path, error)
 
     def refused(self, request: Request, status: int) -> None:
         """A request answered without a handler (here, or by the connection for its framing)."""

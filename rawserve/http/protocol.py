@@ -14,7 +14,7 @@ import h11
 
 from rawserve.config import ServerConfig
 from rawserve.errors import APIError
-from rawserve.http.messages import Headers, Request, RequestHead, Response, encode_response, error_response
+from rawserve.http.messages import Headers, Request, RequestHead, Response, encode_response
 from rawserve.http.sse import SSEResponse, encode_head
 
 if TYPE_CHECKING:
@@ -222,7 +222,8 @@ class HTTPProtocol:
         error = APIError(408, f"The request {what} did not arrive within {limit_s} s.", code="request_timeout")
         # The client is still dribbling: linger, so that it gets to read the 408.
         self._note_refusal(408)
-        return self._shut(self._encode(error_response(error)), linger=True)
+        path = exchange.head.path if exchange is not None else None
+        return self._shut(self._encode(self._dispatcher.error_response(path, error)), linger=True)
 
     def _note_refusal(self, status: int) -> None:
         """Tell the dispatcher (the access line): the request if its head was read, else a placeholder
@@ -451,7 +452,8 @@ class HTTPProtocol:
         self._note_refusal(error.status)
         if exchange is not None and exchange.is_continued:
             return self._shut(b"", linger=True)  # the response began with 100 Continue; only the close is left
-        return self._shut(self._encode(error_response(error)), linger=True)
+        path = exchange.head.path if exchange is not None else None
+        return self._shut(self._encode(self._dispatcher.error_response(path, error)), linger=True)
 
     def _encode(self, response: Response) -> bytes:
         """`response` as the last one on this connection, for the current request if there is one."""

@@ -1,4 +1,5 @@
-"""The (method, path) table that picks a handler, with 404 / 405 + Allow, and CORS preflight.
+"""The (method, path) table that picks a handler, with 404 / 405 + Allow, and CORS preflight; which shape
+an error has on a path (OpenAI's unless a prefix was given its own).
 
 Knows nothing about what handlers do; it never reads a body.
 """
@@ -9,7 +10,7 @@ import urllib.parse
 from typing import Any, Awaitable, Callable
 
 from rawserve.errors import APIError
-from rawserve.http.messages import Request, Response
+from rawserve.http.messages import Request, Response, error_response
 
 Handler = Callable[[Request], Awaitable[Any]]
 
@@ -24,6 +25,7 @@ class Router:
     def __init__(self) -> None:
         self._exact: dict[str, dict[str, Handler]] = {}
         self._patterns: list[tuple[str, re.Pattern[str], dict[str, Handler]]] = []
+        self._error_shapes: list[tuple[str, Callable[[APIError], Response]]] = []
 
     def add(self, method: str, path: str, handler: Handler) -> None:
         if not _METHOD.match(method):
@@ -67,6 +69,19 @@ class Router:
             if match:
                 return table, {name: urllib.parse.unquote(value) for name, value in match.groupdict().items()}
         return None, {}
+
+    def set_error_shape(self, prefix: str, render: Callable[[APIError], Response]) -> None:
+        """Errors for `prefix` and the paths under it are rendered by `render` (another API's error shape), those
+        the HTTP layer answers itself (401, 404, 405, 413, ...) included."""
+        self._error_shapes.append((prefix.rstrip("/"), render))
+
+    def error_response(self, path: str | None, error: APIError) -> Response:
+        """`error` as its answer on `path` (None: no request head yet)."""
+        if path is not None:
+            for prefix, render in self._error_shapes:
+                if path == prefix or path.startswith(prefix + "/"):
+                    return render(error)
+        return error_response(error)
 
     def allowed_methods(self, path: str) -> list[str]:
         """Methods routed for `path`; empty when the path is unknown."""

@@ -33,13 +33,14 @@ class SSEResponse:
     """A 200 (by default) whose body is the events of `events`: dicts, or bytes of encoded JSON.
 
     `named`: each event is a dict whose "type" also goes out as its `event:` line, and the stream ends
-    without `[DONE]` (the Responses API's framing).
+    without `[DONE]` (the Responses API's framing). `ping`: the bytes written while the stream waits (a
+    `: ping` comment; Anthropic's API has a `ping` event of its own).
     """
 
-    __slots__ = ("events", "status", "headers", "named")
+    __slots__ = ("events", "status", "headers", "named", "ping")
 
     def __init__(self, events: AsyncIterator[Any], status: int = 200, headers: HeaderPairs | None = None,
-                 named: bool = False) -> None:
+                 named: bool = False, ping: bytes = PING) -> None:
         if not hasattr(events, "__anext__"):
             raise ValueError("SSEResponse needs an async iterator of events")
         if not 200 <= status <= 599:
@@ -48,6 +49,7 @@ class SSEResponse:
         self.status = status
         self.headers = encode_headers(headers)
         self.named = named
+        self.ping = ping
 
 
 def encode_head(response: SSEResponse, is_chunked: bool, keep_alive: bool, extra: bytes = b"") -> bytes:
@@ -130,7 +132,7 @@ async def stream(response: SSEResponse, transport: asyncio.WriteTransport, drain
     # drain() can only wait once the transport is over its high-water mark (it has paused us);
     # below it, the kernel is merely behind by a few events and the transport coalesces them.
     full = transport.get_write_buffer_limits()[1]
-    ping = frame(PING, is_chunked)
+    ping = frame(response.ping, is_chunked)
     pinger = _Pinger(lambda: write(ping), ping_interval_s) if ping_interval_s > 0 else None
     clock = asyncio.get_running_loop().time
     ok, exhausted = True, False
