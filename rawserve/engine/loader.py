@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # text stack under text_config, model.language_model.*
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -34,8 +36,38 @@ class CheckpointError(ValueError):
 
 
 @dataclass(slots=True)
+class HybridConfig:
+    """Qwen3.5's hybrid text stack: which layers are Gated DeltaNet ("linear_attention") and which gated full
+    attention, the DeltaNet shapes, the partial M-RoPE of the attention layers, and where its tensors live."""
+
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention", one per layer
+    linear_num_key_heads: int
+    linear_num_value_heads: int  # a multiple of the key heads: each key head serves a group of value heads
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    partial_rotary_factor: float  # the share of head_dim that is rotated
+    mrope_section: tuple[int, ...]  # frequencies per position stream (temporal, height, width), interleaved
+    tensor_prefix: str  # "model.language_model." (conditional-generation form) or "model." (text only)
+    set_aside_prefixes: tuple[str, ...]  # tensors recognised but not ours (vision tower, MTP head)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv (q, k and v side by side), and of each row of its state."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(slots=True)
 class ModelConfig:
-    family: str  # qwen3 | qwen2 | llama
+    family: str  # qwen3 | qwen2 | llama | qwen3_5
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -55,6 +87,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     extra: dict = field(default_factory=dict)
+    hybrid: HybridConfig | None = None  # qwen3_5 only
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (all but for a partial rotary factor)."""
+        factor = self.hybrid.partial_rotary_factor if self.hybrid is not None else 1.0
+        return int(self.head_dim * factor)
 
 
 def _read_json(path: pathlib.Path) -> dict:
@@ -93,6 +132,11 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
         raise CheckpointError(f"{path}: unsupported architecture {found}; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     family = SUPPORTED_ARCHITECTURES[arch]
+    top = raw
+    if family == "qwen3_5" and "text_config" in raw:  # the conditional-generation form nests the text stack
+        raw = raw["text_config"]
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: field 'text_config' must be an object")
 
     def need(name: str, kind: type = int) -> object:
         if name not in raw or raw[name] is None:
@@ -122,10 +166,11 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
             raise CheckpointError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3)")
         if kind == "default":
             scaling = None
-    dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    dtype_name = top.get("torch_dtype") or top.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") \
+        or "float32"
     if dtype_name not in _DTYPES:
         raise CheckpointError(f"{path}: unsupported torch_dtype {dtype_name!r}")
-    eos = _ids(raw.get("eos_token_id"))
+    eos = _ids(raw.get("eos_token_id")) or _ids(top.get("eos_token_id"))
     gen_path = root / "generation_config.json"
     if gen_path.exists():
         gen_eos = _ids(_read_json(gen_path).get("eos_token_id"))
@@ -136,10 +181,43 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
         max_position_embeddings=need("max_position_embeddings"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(top.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family == "qwen3", rope_scaling=scaling, dtype=_DTYPES[dtype_name],
-        eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"))
+        qk_norm=family in ("qwen3", "qwen3_5"), rope_scaling=scaling, dtype=_DTYPES[dtype_name],
+        eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
+        hybrid=_hybrid_config(path, raw, arch == "Qwen3_5ForConditionalGeneration", need) if family == "qwen3_5" else None)
+
+
+def _hybrid_config(path: pathlib.Path, raw: dict, nested: bool, need: Callable[..., object]) -> HybridConfig:
+    """Qwen3.5's text fields (raw: the text config). layer_types as written, else transformers' default: every
+    full_attention_interval-th layer full attention, the rest linear."""
+    num_layers = need("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None:
+        interval = raw.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in ("linear_attention", "full_attention") for t in types)):
+        raise CheckpointError(f"{path}: field 'layer_types' must list 'linear_attention' or 'full_attention' for "
+                              f"each of the {num_layers} layers, got {types!r}")
+    rope = raw.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+    section = rope.get("mrope_section", raw.get("mrope_section", [11, 11, 10]))
+    head_dim = raw.get("head_dim") or need("hidden_size") // need("num_attention_heads")
+    if (not isinstance(section, list) or len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section)
+            or sum(section) != int(head_dim * factor) // 2):
+        raise CheckpointError(f"{path}: rope_parameters.mrope_section {section!r} must be three counts adding up to "
+                              f"the rotated half-dimension {int(head_dim * factor) // 2}")
+    key_heads, value_heads = need("linear_num_key_heads"), need("linear_num_value_heads")
+    if value_heads % key_heads:
+        raise CheckpointError(f"{path}: linear_num_value_heads ({value_heads}) is not a multiple of "
+                              f"linear_num_key_heads ({key_heads})")
+    return HybridConfig(
+        layer_types=tuple(types), linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=need("linear_key_head_dim"), linear_value_head_dim=need("linear_value_head_dim"),
+        linear_conv_kernel_dim=need("linear_conv_kernel_dim"), partial_rotary_factor=float(factor),
+        mrope_section=tuple(section), tensor_prefix="model.language_model." if nested else "model.",
+        set_aside_prefixes=("model.visual.", "mtp.", "model.mtp."))
 
 
 def safetensors_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
@@ -284,15 +362,19 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapped: frozenset[str] = frozenset(),
-                 on_filled: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                 on_filled: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 set_aside: tuple[str, ...] = ()) -> None:
     """Copy every checkpoint tensor into its target slice, converting dtype, one tensor at a time.
 
     `targets` maps checkpoint names to (parameter, row_start, row_end). Every target must be filled.
     `mapped`: names the model serves from the file itself (map_tensor), skipped here.
     A parameter left on the meta device is never allocated: its slices go into a float32 matrix that lives
     until its last slice arrives, then on_filled(parameter, matrix) takes it (--quantization).
+    `set_aside`: name prefixes of tensors the checkpoint may carry for parts not served (Qwen3.5's vision tower
+    and MTP head, HybridConfig.set_aside_prefixes): skipped unread, counted in the log, never an error.
     """
     missing = set(targets)
+    num_set_aside = 0
     pending: dict[int, tuple[torch.Tensor, int]] = {}  # id(meta parameter) -> (dense matrix, rows still to come)
     files = safetensors_files(model_dir)
     progress = Progress(f"loading weights from {len(files)} file(s)", sum(f.stat().st_size for f in files), log)
@@ -300,8 +382,16 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
         entries = read_safetensors_header(file)
         with open(file, "rb", buffering=0) as f, torch.no_grad():
             for entry in entries:
-                target = targets.get(entry.name)
+                name = entry.name
+                if name not in targets and "model." + name in targets:
+                    # a checkpoint saved from the bare model (Qwen3-Embedding: embed_tokens.weight, layers.N...)
+                    name = "model." + name
+                target = targets.get(name)
                 if target is None:
+                    if set_aside and entry.name.startswith(set_aside):
+                        num_set_aside += 1
+                        progress.update(entry.num_bytes)
+                        continue
                     if not entry.name.endswith(_IGNORED_SUFFIXES) and entry.name != "lm_head.weight" \
                             and entry.name not in mapped:
                         raise CheckpointError(f"{file}: unexpected tensor {entry.name!r}")
@@ -326,9 +416,11 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
                         release_free_heap()
                 else:
                     read_tensor_into(entry, f, param[start:end])
-                missing.discard(entry.name)
+                missing.discard(name)
                 progress.update(entry.num_bytes)
     progress.close()
+    if num_set_aside:
+        log.info("%d checkpoint tensors set aside (%s: not served by this model)", num_set_aside, ", ".join(set_aside))
     if missing:
         names = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: missing tensors {names} ({len(missing)} in all)")

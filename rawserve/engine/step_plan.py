@@ -5,7 +5,7 @@ Plain bookkeeping, no torch and no decisions: who runs is the scheduler's, what 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,6 +18,8 @@ class StepInput:
     num_computed_tokens: int  # tokens of this sequence already in the KV cache; positions start here
     block_table: list[int]  # KV block ids covering positions [0, num_computed_tokens + len(token_ids))
     lora_slot: int = -1  # the LoRA slot its adapter is resident in, -1 for the base model
+    state_slot: int = -1  # hybrid models (Qwen3.5): its linear-attention state slot; -1 for other models
+    type_split: int = -1  # encoders: tokens from this index on are the pair's second segment (token type 1)
 
 
 @dataclass(slots=True)
@@ -30,6 +32,9 @@ class ForwardBatch:
 
     seqs: list[StepInput]
     logit_indices: list[int]
+    # Pooling requests' flattened token ranges [start, end) whose final hidden states are summed, one vector each
+    # (ModelRunner.execute_pooling); empty in a step without them.
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def last_tokens(cls, seqs: list[StepInput]) -> ForwardBatch:
@@ -69,9 +74,13 @@ class StepPlan:
 
     A request with max_tokens 0 (scoring: prompt logprobs only) never samples: the chunk that finishes its prompt
     puts it in `scored_reqs` instead, and its last row (if any) only predicts a token nobody asked for.
+
+    A pooling request (params.pooling) is a max_tokens 0 request that also gets a span of hidden states per chunk
+    that holds tokens its method pools (`pool_reqs`, aligned with `batch.pool_spans`): the last token of the last
+    chunk (last), every token of every chunk (mean, summed across chunks by EngineCore), the first token (cls).
     """
 
-    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans", "scored_reqs")
+    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans", "scored_reqs", "pool_reqs")
 
     def __init__(self, scheduled: list[tuple[Request, int]]) -> None:
         self.scheduled = scheduled  # the scheduler's choice, in batch order
@@ -81,6 +90,8 @@ class StepPlan:
         self.sample_rows: list[int] = []  # their logits rows
         self.prompt_spans: list[PromptSpan] = []
         self.scored_reqs: list[Request] = []  # prompts finished this step that sample nothing (max_tokens 0)
+        self.pool_reqs: list[tuple[Request, int]] = []  # (request, its chunk's start) per pool span
+        pool_spans: list[tuple[int, int]] = []
         sample_reqs = self.sample_reqs
         sample_rows = self.sample_rows
         offset = 0  # flattened index of this sequence's first token
@@ -89,9 +100,17 @@ class StepPlan:
             end = start + num_new
             token_ids = req.token_ids
             seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot))
+            if req.params.pooling is not None and req.params.pooling.type_split >= 0:
+                seqs[-1].type_split = req.params.pooling.type_split
             is_scoring = req.params.max_tokens == 0
             if is_scoring and end == len(token_ids):
                 self.scored_reqs.append(req)
+            pooling = req.params.pooling
+            if pooling is not None:
+                span = _pool_span(pooling.method, start, end, len(token_ids), offset)
+                if span is not None:
+                    self.pool_reqs.append((req, start))
+                    pool_spans.append(span)
             if not req.prompt_logprobs_done:
                 first_row = len(logit_indices)
                 logit_indices.extend(range(offset, offset + num_new))
@@ -104,9 +123,19 @@ class StepPlan:
                 sample_rows.append(len(logit_indices))
                 logit_indices.append(offset + num_new - 1)
             offset += num_new
-        self.batch = ForwardBatch(seqs, logit_indices)
+        self.batch = ForwardBatch(seqs, logit_indices, pool_spans)
 
     @property
     def samples_every_row(self) -> bool:
         """True when every logits row is sampled, in order (no prompt-logprob rows): no selection needed."""
         return len(self.sample_rows) == len(self.batch.logit_indices)
+
+
+def _pool_span(method: str, start: int, end: int, num_tokens: int, offset: int) -> tuple[int, int] | None:
+    """The flattened range of a chunk [start, end) of a sequence (its first token at `offset`) that `method` pools,
+    or None when this chunk holds none of them."""
+    if method == "mean":
+        return offset, offset + end - start
+    if method == "cls":
+        return (offset, offset + 1) if start == 0 else None
+    return (offset + end - start - 1, offset + end - start) if end == num_tokens else None

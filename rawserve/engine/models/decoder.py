@@ -90,27 +90,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + x32.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0,
-                 attention: types.ModuleType | None = None) -> None:
+class LinearOwner(nn.Module):
+    """A layer whose matmul weights (`linear_names`) run one way: quantized (--quantization), oneDNN pre-packed
+    (CPU), or dense, plus LoRA deltas. Shared by every layer kind, so prepack, quantization and LoRA reach each
+    one through the same hooks (DecoderModel.prepack, defer_quantized, enable_lora)."""
+
+    linear_names: tuple[str, ...] = ()
+
+    def __init__(self, index: int) -> None:
         super().__init__()
-        self.cfg = cfg
         self.index = index
-        self.attention = attention or get_backend("torch")  # the backend module: write_kv, paged_attention
         self.lora: LoraWeights | None = None  # set by DecoderModel.enable_lora
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_size, self.kv_size = q_size, kv_size
-        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
-        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
-        self.qkv_proj = _param(q_size + 2 * kv_size, cfg.hidden_size, dtype=dtype)
-        self.qkv_bias = _param(q_size + 2 * kv_size, dtype=dtype) if cfg.qkv_bias else None
-        self.o_proj = _param(cfg.hidden_size, q_size, dtype=dtype)
-        self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
-        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.scale = cfg.head_dim ** -0.5
-        self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, D]: q_norm's rows, then k_norm's (fuse_qk_norm)
         self.packed: dict[str, torch.Tensor] = {}  # name -> oneDNN pre-packed weight (CPU only)
         self.quant: dict[str, QuantizedLinear] = {}  # name -> quantized weight (--quantization)
 
@@ -120,19 +110,12 @@ class DecoderLayer(nn.Module):
         On CPU this makes every linear 2-4x faster (measured at 1-512 rows: the weights are no longer
         re-packed on each call), batch-1 decode included.
         """
-        for name in LINEARS:
+        for name in self.linear_names:
             if name in self.quant:
                 continue
             param = getattr(self, name)
             self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach())
             param.data = torch.empty(0, dtype=param.dtype)  # free the dense weight
-
-    def fuse_qk_norm(self) -> None:
-        """Once the weights are in: q_norm and k_norm as one [heads + kv_heads, D] table, so the q/k view is
-        scaled by one multiply rather than two slices and two."""
-        if self.q_norm is not None:
-            cfg = self.cfg
-            self.qk_norm = torch.cat((self.q_norm.expand(cfg.num_heads, -1), self.k_norm.expand(cfg.num_kv_heads, -1)))
 
     def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None,
                lora: LoraBatch | None = None) -> torch.Tensor:
@@ -147,6 +130,39 @@ class DecoderLayer(nn.Module):
         if lora is not None:  # the base matmul ran once for every row; adapter rows add their delta
             y = self.lora.apply(self.index, name, x, y, lora)
         return y
+
+    def fuse_qk_norm(self) -> None:
+        """Once the weights are in: fold what can be folded (see DecoderLayer.fuse_qk_norm); nothing by default."""
+
+
+class DecoderLayer(LinearOwner):
+    linear_names = LINEARS
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0,
+                 attention: types.ModuleType | None = None) -> None:
+        super().__init__(index)
+        self.cfg = cfg
+        self.attention = attention or get_backend("torch")  # the backend module: write_kv, paged_attention
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.qkv_proj = _param(q_size + 2 * kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(q_size + 2 * kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.o_proj = _param(cfg.hidden_size, q_size, dtype=dtype)
+        self.q_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim, dtype=dtype) if cfg.qk_norm else None
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.scale = cfg.head_dim ** -0.5
+        self.qk_norm: torch.Tensor | None = None  # [heads + kv_heads, D]: q_norm's rows, then k_norm's (fuse_qk_norm)
+
+    def fuse_qk_norm(self) -> None:
+        """Once the weights are in: q_norm and k_norm as one [heads + kv_heads, D] table, so the q/k view is
+        scaled by one multiply rather than two slices and two."""
+        if self.q_norm is not None:
+            cfg = self.cfg
+            self.qk_norm = torch.cat((self.q_norm.expand(cfg.num_heads, -1), self.k_norm.expand(cfg.num_kv_heads, -1)))
 
     def targets(self, prefix: str) -> dict[str, Target]:
         q, kv, inter = self.q_size, self.kv_size, self.cfg.intermediate_size
@@ -206,8 +222,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        attention = get_backend(attention_backend)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i, attention) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layers(cfg, dtype, get_backend(attention_backend)))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.packed_head: torch.Tensor | None = None  # CPU: the LM head pre-packed by prepack()
@@ -218,6 +233,13 @@ class DecoderModel(nn.Module):
         self.num_params = sum(p.numel() for p in self.parameters())
         self.rope_cos: torch.Tensor | None = None  # [max_pos, D] float32, built by init_rope() (see apply_rope)
         self.rope_sin: torch.Tensor | None = None
+
+    # Checkpoint tensors that may be present and are not this model's (load_weights' set_aside).
+    set_aside: tuple[str, ...] = ()
+
+    def make_layers(self, cfg: ModelConfig, dtype: torch.dtype, attention: types.ModuleType) -> list[LinearOwner]:
+        """The layer stack; a model of another layout (models/qwen35.py) builds its own kinds here."""
+        return [DecoderLayer(cfg, dtype, i, attention) for i in range(cfg.num_layers)]
 
     def targets(self) -> dict[str, Target]:
         """Checkpoint tensor name -> where it goes."""
@@ -235,6 +257,11 @@ class DecoderModel(nn.Module):
             for name, param in list(module.named_parameters(recurse=False)):
                 if id(param) not in self.deferred:
                     setattr(module, name, nn.Parameter(torch.empty_like(param, device=device), requires_grad=False))
+
+    def finish_load(self) -> None:
+        """After the weights are in, before packing: each layer folds what it can (fuse_qk_norm)."""
+        for layer in self.layers:
+            layer.fuse_qk_norm()
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.cfg).to(device)
@@ -336,7 +363,7 @@ class DecoderModel(nn.Module):
         owners: dict[int, tuple[nn.Module, str, bool]] = {}  # id(meta parameter) -> (module, attribute, is_head)
         kept = []
         for layer in self.layers:
-            for name in LINEARS:
+            for name in layer.linear_names:
                 param = getattr(layer, name)
                 if quantized_bytes(plan, *param.shape) is None:
                     kept.append(f"{name} {tuple(param.shape)}")

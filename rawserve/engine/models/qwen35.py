@@ -1,0 +1,343 @@
+"""Qwen3.5's hybrid text stack: Gated DeltaNet layers (state held outside the model, per sequence slot) and
+gated full-attention layers (partial, interleaved M-RoPE) on the paged KV cache, as transformers' qwen3_5 computes
+them. Built on DecoderModel's loading, pre-packing, quantization and LM head; the sequence ops are gated_delta's.
+"""
+from __future__ import annotations
+
+import pathlib
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rawserve.engine.attention.metadata import AttentionMetadata
+from rawserve.engine.loader import ModelConfig, Target, can_map, load_weights, read_model_config, \
+    read_safetensors_header, safetensors_files
+from rawserve.engine.lora import LoraBatch, LoraWeights
+from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, apply_rope, \
+    cpu_prepack_supported, rms_norm
+from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, \
+    gated_delta_rule, l2_normalize, plan_delta_step
+from rawserve.engine.quant import QuantPlan
+
+__all__ = ["Qwen35Model", "StateBatch", "load_qwen35_model"]
+
+# One linear layer's state: (conv [num_slots, conv_dim, kernel - 1], recurrent [num_slots, Hv, dk, dv] float32).
+LayerState = tuple[torch.Tensor, torch.Tensor]
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm: x normalised and scaled by (1 + w) in float32, rounded once to x's dtype.
+    `weight` is that (1 + w), float32, made once after loading (Qwen35Layer.fuse_qk_norm)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return F.rms_norm(x.float(), x.shape[-1:], weight, eps).to(x.dtype)
+
+
+class Qwen35Layer(LinearOwner):
+    """What both layer kinds share: the (1 + w) norms around the mixer, the SwiGLU MLP, the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
+        super().__init__(index)
+        self.cfg = cfg
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
+        self.norm_scales: dict[str, torch.Tensor] = {}  # norm name -> (1 + w) in float32 (fuse_qk_norm)
+
+    def common_targets(self, prefix: str) -> dict[str, Target]:
+        hidden, inter = self.cfg.hidden_size, self.cfg.intermediate_size
+        return {f"{prefix}.input_layernorm.weight": (self.input_layernorm, 0, hidden),
+                f"{prefix}.post_attention_layernorm.weight": (self.post_attention_layernorm, 0, hidden),
+                f"{prefix}.mlp.gate_proj.weight": (self.gate_up_proj, 0, inter),
+                f"{prefix}.mlp.up_proj.weight": (self.gate_up_proj, inter, 2 * inter),
+                f"{prefix}.mlp.down_proj.weight": (self.down_proj, 0, hidden)}
+
+    def offset_norms(self) -> tuple[str, ...]:
+        return "input_layernorm", "post_attention_layernorm"
+
+    def fuse_qk_norm(self) -> None:
+        """After loading (load_model's hook for every layer): the (1 + w) scales of the zero-centred norms."""
+        self.norm_scales = {name: 1.0 + getattr(self, name).detach().float() for name in self.offset_norms()}
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return offset_rms_norm(x, self.norm_scales[name], self.cfg.rms_norm_eps)
+
+    def mlp_block(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """x + mixed, then the MLP's residual: the layer's output hidden states."""
+        h = x + mixed
+        gate, up = self.linear(self.norm(h, "post_attention_layernorm"), "gate_up_proj").chunk(2, dim=1)
+        return h + self.linear(F.silu(gate) * up, "down_proj")
+
+
+class GatedDeltaNetLayer(Qwen35Layer):
+    """A linear_attention layer: projections -> causal conv (state) -> delta rule (state) -> gated norm -> out."""
+
+    linear_names = ("in_proj", "out_proj", "gate_up_proj", "down_proj")
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
+        super().__init__(cfg, dtype, index)
+        hy = cfg.hybrid
+        self.num_k_heads, self.num_v_heads = hy.linear_num_key_heads, hy.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = hy.linear_key_head_dim, hy.linear_value_head_dim
+        self.conv_dim, self.value_dim = hy.conv_dim, hy.value_dim
+        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one matrix: one matmul reads the hidden states
+        self.in_proj = _param(self.conv_dim + self.value_dim + 2 * self.num_v_heads, cfg.hidden_size, dtype=dtype)
+        self.conv1d = _param(self.conv_dim, 1, hy.linear_conv_kernel_dim, dtype=dtype)
+        self.dt_bias = _param(self.num_v_heads, dtype=dtype)
+        self.A_log = _param(self.num_v_heads, dtype=dtype)
+        self.gated_norm = _param(self.head_v_dim, dtype=dtype)
+        self.out_proj = _param(cfg.hidden_size, self.value_dim, dtype=dtype)
+        self.conv_taps: torch.Tensor | None = None  # [conv_dim, K] (fuse_qk_norm)
+        self.neg_decay_rate: torch.Tensor | None = None  # [Hv] float32: -exp(A_log)
+
+    def targets(self, prefix: str) -> dict[str, Target]:
+        conv, value, heads = self.conv_dim, self.value_dim, self.num_v_heads
+        p = f"{prefix}.linear_attn"
+        return {**self.common_targets(prefix),
+                f"{p}.in_proj_qkv.weight": (self.in_proj, 0, conv),
+                f"{p}.in_proj_z.weight": (self.in_proj, conv, conv + value),
+                f"{p}.in_proj_b.weight": (self.in_proj, conv + value, conv + value + heads),
+                f"{p}.in_proj_a.weight": (self.in_proj, conv + value + heads, conv + value + 2 * heads),
+                f"{p}.conv1d.weight": (self.conv1d, 0, conv),
+                f"{p}.dt_bias": (self.dt_bias, 0, heads),
+                f"{p}.A_log": (self.A_log, 0, heads),
+                f"{p}.norm.weight": (self.gated_norm, 0, self.head_v_dim),
+                f"{p}.out_proj.weight": (self.out_proj, 0, self.cfg.hidden_size)}
+
+    def fuse_qk_norm(self) -> None:
+        super().fuse_qk_norm()
+        self.conv_taps = self.conv1d.detach()[:, 0]
+        self.neg_decay_rate = -self.A_log.detach().float().exp()
+
+    def forward(self, x: torch.Tensor, state: LayerState, plan: DeltaPlan) -> torch.Tensor:
+        conv_state, recurrent = state
+        if plan.fresh_slots is not None:  # sequences with no token computed yet start from zeros
+            conv_state.index_fill_(0, plan.fresh_slots, 0)
+            recurrent.index_fill_(0, plan.fresh_slots, 0)
+        num_tokens = x.shape[0]
+        proj = self.linear(self.norm(x, "input_layernorm"), "in_proj")  # [T, conv + value + 2 Hv]
+        mixed, z, b, a = proj.split((self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), dim=1)
+        mixed = causal_conv(mixed, self.conv_taps, conv_state, plan).float()  # [T, conv_dim]
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = mixed.split((key_dim, key_dim, self.value_dim), dim=1)
+        q = l2_normalize(q.view(num_tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        k = l2_normalize(k.view(num_tokens, self.num_k_heads, self.head_k_dim))
+        group = self.num_v_heads // self.num_k_heads
+        if group > 1:  # each key head serves `group` consecutive value heads
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        beta = b.float().sigmoid()  # [T, Hv]
+        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay, <= 0
+        o = gated_delta_rule(q, k, v, g, beta, recurrent, plan)  # [T, Hv, dv] float32
+        # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head
+        o = rms_norm(o, self.gated_norm.float(), self.cfg.rms_norm_eps)
+        o = (o * F.silu(z.float().view(num_tokens, self.num_v_heads, self.head_v_dim))).to(x.dtype)
+        return self.mlp_block(x, self.linear(o.view(num_tokens, self.value_dim), "out_proj"))
+
+
+class GatedAttentionLayer(Qwen35Layer):
+    """A full_attention layer: GQA with (1 + w) q/k norms, partial rotary, an output gate from q_proj."""
+
+    linear_names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int, attention: types.ModuleType) -> None:
+        super().__init__(cfg, dtype, index)
+        self.attention = attention
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q_proj as saved: per head, head_dim query rows then head_dim gate rows; then k, then v
+        self.qkv_proj = _param(2 * self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(2 * self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.o_proj = _param(cfg.hidden_size, self.q_size, dtype=dtype)
+        self.q_norm = _param(cfg.head_dim, dtype=dtype)
+        self.k_norm = _param(cfg.head_dim, dtype=dtype)
+        self.scale = cfg.head_dim ** -0.5
+
+    def offset_norms(self) -> tuple[str, ...]:
+        return "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"
+
+    def targets(self, prefix: str) -> dict[str, Target]:
+        q2, kv, hd = 2 * self.q_size, self.kv_size, self.cfg.head_dim
+        p = f"{prefix}.self_attn"
+        t = {**self.common_targets(prefix),
+             f"{p}.q_proj.weight": (self.qkv_proj, 0, q2),
+             f"{p}.k_proj.weight": (self.qkv_proj, q2, q2 + kv),
+             f"{p}.v_proj.weight": (self.qkv_proj, q2 + kv, q2 + 2 * kv),
+             f"{p}.o_proj.weight": (self.o_proj, 0, self.cfg.hidden_size),
+             f"{p}.q_norm.weight": (self.q_norm, 0, hd),
+             f"{p}.k_norm.weight": (self.k_norm, 0, hd)}
+        if self.qkv_bias is not None:
+            t[f"{p}.q_proj.bias"] = (self.qkv_bias, 0, q2)
+            t[f"{p}.k_proj.bias"] = (self.qkv_bias, q2, q2 + kv)
+            t[f"{p}.v_proj.bias"] = (self.qkv_bias, q2 + kv, q2 + 2 * kv)
+        return t
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        num_tokens, heads, kv_heads, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.linear(self.norm(x, "input_layernorm"), "qkv_proj", self.qkv_bias)
+        qg, k, v = qkv.split((2 * self.q_size, self.kv_size, self.kv_size), dim=1)
+        q, gate = qg.view(num_tokens, heads, 2, hd).unbind(2)  # [T, heads, D] each
+        q = self.norm(q, "q_norm")  # fresh tensors: the rotation below writes into them
+        k = self.norm(k.view(num_tokens, kv_heads, hd), "k_norm")
+        rot = cos.shape[-1]  # partial rotary: the first `rot` dims of each head turn, the rest pass through
+        q[..., :rot] = apply_rope(q[..., :rot], cos, sin)
+        k[..., :rot] = apply_rope(k[..., :rot], cos, sin)
+        k_cache, v_cache = kv_cache
+        self.attention.write_kv(k, v.reshape(num_tokens, kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
+        attn = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
+        attn = attn.reshape(num_tokens, self.q_size) * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
+        return self.mlp_block(x, self.linear(attn, "o_proj"))
+
+
+class Qwen35Model(DecoderModel):
+    """The hybrid stack. Beside DecoderModel's forward arguments it takes the linear layers' states (one
+    LayerState per linear layer, in layer order; allocate_states) and the step's StateBatch; kv_caches holds one
+    pair per full-attention layer only, in layer order (num_kv_layers). positions: [T], or [3, T] M-RoPE streams
+    (temporal, height, width; equal for text)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_backend: str = "torch",
+                 chunk_size: int = CHUNK_SIZE) -> None:
+        super().__init__(cfg, dtype, attention_backend)
+        self.chunk_size = chunk_size
+        self.final_norm_scale: torch.Tensor | None = None  # (1 + w) of the final norm, float32 (finish_load)
+        self.set_aside = cfg.hybrid.set_aside_prefixes
+        half = cfg.rotary_dim // 2
+        section = cfg.hybrid.mrope_section
+        # Interleaved M-RoPE: frequency j turns with the height stream when j % 3 == 1 (for the first section[1]
+        # of those), the width stream when j % 3 == 2 (first section[2]), else the temporal stream.
+        stream = [1 if j % 3 == 1 and j < 3 * section[1] else 2 if j % 3 == 2 and j < 3 * section[2] else 0
+                  for j in range(half)]
+        self.rope_stream_of = stream + stream  # per dim of the doubled tables (see apply_rope)
+        self.rope_streams: torch.Tensor | None = None  # [rot] int64 on the model's device (init_rope)
+
+    def make_layers(self, cfg: ModelConfig, dtype: torch.dtype, attention: types.ModuleType) -> list[LinearOwner]:
+        return [GatedDeltaNetLayer(cfg, dtype, i) if kind == "linear_attention"
+                else GatedAttentionLayer(cfg, dtype, i, attention)
+                for i, kind in enumerate(cfg.hybrid.layer_types)]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Full-attention layers: the paged KV cache holds one (K, V) pair for each of them only."""
+        return sum(isinstance(layer, GatedAttentionLayer) for layer in self.layers)
+
+    @property
+    def num_state_layers(self) -> int:
+        return len(self.layers) - self.num_kv_layers
+
+    def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, recurrent state) shapes of one linear layer for num_slots sequences."""
+        hy = self.cfg.hybrid
+        return ((num_slots, hy.conv_dim, hy.linear_conv_kernel_dim - 1),
+                (num_slots, hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim))
+
+    def state_bytes_per_slot(self) -> int:
+        conv, rec = self.state_shapes(1)
+        return self.num_state_layers * (conv[1] * conv[2] * self.norm.element_size() + rec[1] * rec[2] * rec[3] * 4)
+
+    def allocate_states(self, num_slots: int, device: torch.device) -> list[LayerState]:
+        """Zeroed states for num_slots sequences: conv at the model's dtype, recurrent in float32 (as transformers
+        keeps it: the recurrence accumulates over the whole sequence)."""
+        conv, rec = self.state_shapes(num_slots)
+        return [(torch.zeros(conv, dtype=self.norm.dtype, device=device),
+                 torch.zeros(rec, dtype=torch.float32, device=device)) for _ in range(self.num_state_layers)]
+
+    def targets(self) -> dict[str, Target]:
+        prefix = self.cfg.hybrid.tensor_prefix
+        t: dict[str, Target] = {f"{prefix}embed_tokens.weight": (self.embed_tokens, 0, self.cfg.vocab_size),
+                                f"{prefix}norm.weight": (self.norm, 0, self.cfg.hidden_size)}
+        for i, layer in enumerate(self.layers):
+            t.update(layer.targets(f"{prefix}layers.{i}"))
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head, 0, self.cfg.vocab_size)
+        return t
+
+    def finish_load(self) -> None:
+        """After the weights are in: the layers' derived tables, and the final norm's (1 + w)."""
+        super().finish_load()
+        self.final_norm_scale = 1.0 + self.norm.detach().float()
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        rot = self.cfg.rotary_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq).to(device)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.rope_cos, self.rope_sin = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # see apply_rope
+        self.rope_streams = torch.tensor(self.rope_stream_of, dtype=torch.int64, device=device)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rot] for positions [T] (text) or [3, T] (M-RoPE: each frequency from its stream)."""
+        if positions.dim() == 1:
+            return (self.rope_cos.index_select(0, positions).unsqueeze(1),
+                    self.rope_sin.index_select(0, positions).unsqueeze(1))
+        index = self.rope_streams.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.rope_cos[positions].gather(0, index)[0]  # [3, T, rot] -> [T, rot]
+        sin = self.rope_sin[positions].gather(0, index)[0]
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def plan_states(self, state: StateBatch, meta: AttentionMetadata) -> DeltaPlan:
+        """The step's DeltaPlan (once per forward; every linear layer reads it)."""
+        return plan_delta_step(state, meta.query_start_loc_cpu, self.cfg.hybrid.linear_conv_kernel_dim,
+                               self.norm.device, self.chunk_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                lora: LoraBatch | None = None, *, states: list[LayerState] | None = None,
+                state_batch: StateBatch | None = None) -> torch.Tensor:
+        """input_ids: [T]; positions: [T] or [3, T] -> final hidden states [T, hidden]. Reads and writes the
+        states of the step's slots (state_batch) in place, and the KV cache at meta.slot_mapping."""
+        assert lora is None, "LoRA is refused for Qwen3.5 at enable_lora"
+        assert states is not None and state_batch is not None, "a hybrid model's forward needs its states"
+        plan = self.plan_states(state_batch, meta)
+        x = F.embedding(input_ids, self.embed_tokens).to(self.norm.dtype)  # [T, hidden]
+        cos, sin = self.rope_tables(positions)
+        kv = iter(kv_caches)
+        linear_states = iter(states)
+        for layer in self.layers:
+            if isinstance(layer, GatedDeltaNetLayer):
+                x = layer(x, next(linear_states), plan)
+            else:
+                x = layer(x, cos, sin, next(kv), meta)
+        return offset_rms_norm(x, self.final_norm_scale, self.cfg.rms_norm_eps)
+
+    def enable_lora(self, weights: LoraWeights) -> None:
+        raise ValueError("--enable-lora: LoRA adapters are not supported on Qwen3.5 (hybrid) models yet")
+
+
+def load_qwen35_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
+                      cfg: ModelConfig | None = None, *, prepack: bool = True, attention_backend: str = "torch",
+                      quant: QuantPlan | None = None, chunk_size: int = CHUNK_SIZE) -> Qwen35Model:
+    """model_runner.load_model's steps for the hybrid: build on meta, stream the weights in (quantizing the
+    linears as they arrive), set aside the vision tower and MTP tensors, then pack for the CPU.
+
+    The embedding is served from the file (DecoderModel.map_embedding) under the same rule as load_model's."""
+    cfg = cfg or read_model_config(model_dir)
+    with torch.device("meta"):
+        model = Qwen35Model(cfg, dtype, attention_backend, chunk_size)
+    on_filled = model.defer_quantized(quant) if quant is not None else None
+    model.materialize(device)
+    prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
+    targets = model.targets()
+    head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
+    embed_name = f"{cfg.hybrid.tensor_prefix}embed_tokens.weight"
+    mapped: frozenset[str] = frozenset()
+    if device.type == "cpu" and (head_apart or not cfg.tie_word_embeddings):
+        entry = next((e for f in safetensors_files(model_dir) for e in read_safetensors_header(f)
+                      if e.name == embed_name), None)
+        if entry is not None and can_map(entry) and entry.dtype.is_floating_point \
+                and entry.shape == (cfg.vocab_size, cfg.hidden_size):
+            model.map_embedding(entry)
+            del targets[embed_name]
+            mapped = frozenset([embed_name])
+    if not mapped:
+        model.narrow_embedding(head_packed=head_apart)
+    load_weights(model_dir, targets, mapped, on_filled, set_aside=model.set_aside)
+    if quant is not None:
+        model.finish_quantized(quant)
+    model.finish_load()
+    if prepack:
+        model.prepack()
+    return model.eval()
