@@ -44,13 +44,19 @@ def refuse_unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
                  "Flags are matched whole, never by prefix.")
 
 
+def parse_strict(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse `argv`, refusing (refuse_unknown) any argument the parser lacks."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        refuse_unknown(parser, extra)
+    return args
+
+
 def parse_with_model(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse `argv`, taking the checkpoint as a positional MODEL_DIR or as --model-dir/--model."""
     parser.add_argument("model", nargs="?", metavar="MODEL_DIR", default=None,
                         help="Checkpoint directory (same as --model-dir).")
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        refuse_unknown(parser, extra)
+    args = parse_strict(parser, argv)
     if args.model is not None:
         flagged = any(a.split("=", 1)[0] in ("--model-dir", "--model") for a in argv)
         if flagged and args.model_dir != args.model:
@@ -72,9 +78,11 @@ def serve_main(argv: list[str]) -> int:
 
     setup_logging(server_config.log_level)
     if engine_config.model_dir is None:
-        from rawserve.demo_model import ensure_demo_model
+        from rawserve.demo_model import apply_demo_defaults, ensure_demo_model
 
         engine_config.model_dir = str(ensure_demo_model())
+        if note := apply_demo_defaults(engine_config, argv):
+            log.info("%s", note)
         if server_config.served_model_name is None:
             server_config.served_model_name = "rawserve-demo"
     try:
@@ -154,6 +162,16 @@ def generate_main(argv: list[str]) -> int:
     return 0
 
 
+def demo_main(argv: list[str]) -> int:
+    from rawserve.demo import build_demo_parser, run_demo
+
+    parser = build_demo_parser()
+    args = parse_strict(parser, argv)
+    if args.requests < 1 or args.new_tokens < 1:
+        parser.error("--requests and --new-tokens must be >= 1")
+    return run_demo(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -168,7 +186,5 @@ def main(argv: list[str] | None = None) -> int:
     if command == "generate":
         return generate_main(argv)
     if command == "demo":
-        from rawserve.demo import demo_main
-
         return demo_main(argv)
     return serve_main(argv)

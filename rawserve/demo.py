@@ -161,7 +161,8 @@ def key_metrics(client: Client) -> dict:
     return {"step": "metrics", "lines": lines}
 
 
-def demo_main(argv: list[str]) -> int:
+def build_demo_parser() -> argparse.ArgumentParser:
+    """The demo's flags, their defaults taken from RAWSERVE_<FLAG>; the CLI parses with it, strictly."""
     parser = argparse.ArgumentParser(prog="rawserve demo", allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32, help="Concurrent streaming requests.")
@@ -172,13 +173,11 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                         help="The server's stderr: warning shows only warnings and errors.")
     apply_environment(parser, os.environ)
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        from rawserve.cli import refuse_unknown
+    return parser
 
-        refuse_unknown(parser, extra)
-    if args.requests < 1 or args.new_tokens < 1:
-        parser.error("--requests and --new-tokens must be >= 1")
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Serve, exercise and stop: 0 when every step ran and the server then exited cleanly."""
     if args.model_dir is None:  # built here (once, with progress); the server finds it cached by that name
         from rawserve.demo_model import ensure_demo_model
         from rawserve.logs import setup_logging

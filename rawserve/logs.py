@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from typing import TextIO
 
 FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
@@ -32,6 +33,16 @@ def setup_logging(level: str | int = "info", stream: TextIO | None = None) -> No
     root.addHandler(handler)
     root.setLevel(logging.WARNING)  # other libraries: warnings only
     logging.getLogger("rawserve").setLevel(level)
+
+
+def ignore_torch_numpy_warning() -> None:
+    """Silence torch's "Failed to initialize NumPy" UserWarning, and only it; call before a process first
+    imports torch.
+
+    torch prints it on import wherever numpy is absent, which a base install is: numpy is not a dependency
+    and rawserve never hands torch a numpy array, so the line would be noise on every clean start.
+    """
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning, module=r"torch\.")
 
 
 def format_bytes(num_bytes: float) -> str:

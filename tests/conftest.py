@@ -1,12 +1,22 @@
-"""Shared test fixtures: paths to ../shared/fixtures and tiny checkpoint builders."""
+"""Shared test fixtures: paths to ../shared/fixtures, tiny checkpoint builders and a numpy-less environment for
+subprocesses; and the run's exit hook (pytest_unconfigure)."""
 from __future__ import annotations
 
+import gc
+import os
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT.parent / "shared" / "fixtures"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Hand back to the collector what the engines built in this process froze (EngineCore calls gc.freeze(), as
+    a server's core should): frozen objects are never freed at interpreter exit, and triton's bindings, which
+    transformers loads, would report each one they still hold as a `nanobind: leaked ...` line after the summary."""
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +32,31 @@ def fixture_path(*parts: str) -> pathlib.Path:
     if not path.exists():
         pytest.skip(f"fixture {path} is absent")
     return path
+
+
+# On sys.path through PYTHONPATH, so it runs first in every process a test starts, spawned cores included.
+_NO_NUMPY = """import sys
+
+
+class NoNumpy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoNumpy())
+"""
+
+
+@pytest.fixture
+def numpy_absent_env(tmp_path) -> dict[str, str]:
+    """Environment variables under which `import numpy` fails in every process started with them, as on a base
+    install (numpy is no dependency of rawserve; the test extra installs it for triton's interpreter)."""
+    site = tmp_path / "no-numpy"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_NO_NUMPY)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -182,7 +183,7 @@ def test_console_script_serves_with_a_process_core_and_logs_startup_and_access(d
     assert server.proc.returncode == 0
     summary = next(line for line in log.splitlines() if "listening on http://127.0.0.1:" in line and "serving" in line)
     for part in ("Qwen3ForCausalLM", "parameters", "dtype float32", "device cpu", "max_model_len 512",
-                 "KV cache 1024 tokens (64 blocks of 16, 2.0 MiB) [--num-kv-blocks]", "engine in a process",
+                 "KV cache 1024 tokens (64 blocks of 16, 2.0 MiB, float32) [--num-kv-blocks]", "engine in a process",
                  "API key off"):
         assert part in summary, (part, summary)
     # The spawned core logs too (its model line), in the same format, under its own process name.
@@ -233,6 +234,58 @@ asyncio.run(main())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "False"], out.stderr
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == pid:  # field 4, ppid, after the parenthesised name
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the processes' maps in /proc")
+def test_default_serve_maps_no_torch_in_the_front_process(demo_dir, numpy_absent_env):
+    """The README's first command, `rawserve serve` with no checkpoint (the demo model cached), on a base install
+    (no numpy): the console script's process serves without mapping libtorch (its core process does), and neither
+    process warns on the way up."""
+    with Server([console_script(), "serve", "--port", "0", "--engine-mode", "process", *SMALL],
+                numpy_absent_env) as server:
+        assert get(server.port, "/v1/models") == 200
+        assert "libtorch" not in _maps(server.proc.pid)
+        cores = _children(server.proc.pid)
+        assert cores and any("libtorch" in _maps(pid) for pid in cores), cores  # the check can see torch
+    log = server.stop()
+    assert server.proc.returncode == 0 and "serving 'rawserve-demo'" in log, log
+    assert "Failed to initialize NumPy" not in log, log
+    assert not [line for line in log.splitlines() if " WARNING " in line or "Warning:" in line], log
+
+
+def test_a_taken_port_fails_fast_on_the_default_path(demo_dir):
+    """No torch import stands before the bind: the command fails in well under a second (2 s with one)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = ("import sys; from rawserve.cli import main; "
+                f"status = main(['serve', '--port', '{port}']); print(status, 'torch' in sys.modules)")
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("RAWSERVE_")})
+        elapsed_s = time.monotonic() - start
+    assert out.stdout.split() == ["1", "False"], out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert elapsed_s < 5, elapsed_s  # generous for a busy 2-core box; torch's import is what the line above rules out
 
 
 def _self_signed(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:

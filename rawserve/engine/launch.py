@@ -6,6 +6,7 @@ core's side of the boundary (its thread, or its spawned process). Both are pickl
 """
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 from rawserve.config import EngineConfig
 from rawserve.engine.cpu_budget import ThreadPlan, plan_threads
+from rawserve.logs import ignore_torch_numpy_warning
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,35 +40,10 @@ class CoreFactory:
             object.__setattr__(self, "threads", plan_threads(self.config.num_threads))
 
     def __call__(self) -> Any:
+        ignore_torch_numpy_warning()  # the core's first torch import, in its thread or process, is the next line
         from rawserve.engine.core import make_engine_core
 
         return make_engine_core(self.config, self.threads)
-
-
-def describe_core(core: Any) -> dict:
-    """What the startup summary needs that only the core knows: the resolved device and dtype, the
-    parameter count, the block size, the KV pool's bytes and why it has that size. Read defensively: a test's fake core has none of it."""
-    runner = getattr(core, "runner", None)
-    out: dict = {}
-    if runner is not None:
-        if getattr(runner, "device", None) is not None:
-            out["device"] = str(runner.device)
-        if getattr(runner, "dtype", None) is not None:
-            out["dtype"] = str(runner.dtype).removeprefix("torch.")
-        model = getattr(runner, "model", None)
-        if model is not None and hasattr(model, "parameters"):
-            out["num_params"] = getattr(model, "num_params", None) or sum(p.numel() for p in model.parameters())
-        if getattr(runner, "quant", None) is not None:
-            out["quantization"] = runner.quant.describe()
-    threads = getattr(core, "threads", None)
-    if isinstance(threads, ThreadPlan):  # the count torch reported after applying it, and why
-        out["num_threads"], out["threads_reason"] = threads.num_threads, threads.reason
-    if isinstance(getattr(core, "block_size", None), int):
-        out["block_size"] = core.block_size
-    plan = getattr(runner, "kv_plan", None)
-    if plan is not None:
-        out["kv_cache_bytes"], out["kv_cache_reason"] = plan.num_bytes, plan.reason
-    return out
 
 
 def kv_capacity(info: dict) -> dict[str, int]:
@@ -146,4 +123,10 @@ def run_core_loop(factory: Callable[[], Any], inputs: Any, outputs: Any) -> None
         setup_logging(getattr(factory, "log_level", "info"))
     from rawserve.engine.core_loop import run_core
 
-    run_core(factory, inputs, outputs)
+    try:
+        run_core(factory, inputs, outputs)
+    finally:
+        # EngineCore froze all it found alive (gc.freeze, core.py) for the core's lifetime, which ends here. Frozen
+        # objects are never freed at interpreter exit, and triton's bindings (the triton backend) would print a
+        # `nanobind: leaked ...` line for each one they still hold as the process ends.
+        gc.unfreeze()

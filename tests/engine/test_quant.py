@@ -13,7 +13,7 @@ import torch
 
 from rawserve.config import EngineConfig
 from rawserve.engine import quant
-from rawserve.engine.launch import describe_core
+from rawserve.engine.core_summary import describe_core
 from rawserve.engine.model_runner import ModelRunner, weight_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from tests.conftest import fixture_path
