@@ -13,6 +13,13 @@ random checkpoints of the same shapes, and the llama-server line says why it is 
 python -m bench.memory --abuse [--abuse-max-tokens 1000] [-- FLAGS]: the engine core's RSS through an abuse burst on
 the demo model with its default flags (`python -m rawserve`, as issue 33 ran it): one JSON line each for idle, the
 burst's peak and the burst's end, then a line per second until it is back within 1.2x of idle (or 30 s pass).
+
+python -m bench.memory --breakdown [--models 0.6b] [--dtypes float32] [--kv-cache-dtypes auto,float16]: the engine
+core's peak under --streams greedy streams of --prompt-words + --max-tokens tokens, run in this process (the core's
+code, no HTTP), in parts: the process before the engine (python, torch), the weights, the KV pool as touched (and
+as reserved), a step's activations (the largest rise of VmHWM over a forward, the KV blocks it zeroes excluded),
+the sampler's (the same over a sample), the runner's reused buffers, and allocator slack (what stays resident
+between steps beyond all of those: freed heap glibc keeps); `unexplained_mib` is the rest of the peak.
 """
 from __future__ import annotations
 
@@ -307,6 +314,75 @@ def abuse(args: argparse.Namespace) -> None:
             proc.wait()
 
 
+def breakdown(args: argparse.Namespace) -> None:
+    """Each (model, dtype, KV dtype) in a fresh interpreter (breakdown_one): an engine built and dropped in one
+    process leaves its heap behind for the next."""
+    for model in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            for kv in args.kv_cache_dtypes.split(","):
+                subprocess.run([sys.executable, "-m", "bench.memory", "--breakdown-one", "--models", model,
+                                "--dtypes", dtype, "--kv-cache-dtypes", kv, "--streams", str(args.streams),
+                                "--ctx", str(args.ctx), "--prompt-words", str(args.prompt_words),
+                                "--max-tokens", str(args.max_tokens)], check=False)
+
+
+def breakdown_one(args: argparse.Namespace) -> None:
+    import torch
+
+    from rawserve.engine import memory as mem
+    from rawserve.engine.frontend.llm import LLM
+    from rawserve.engine.model_runner import weight_bytes
+    from rawserve.engine.types import SamplingParams
+
+    model, dtype, kv = args.models, args.dtypes, args.kv_cache_dtypes
+    model_dir, _ = checkpoint(model, dtype)
+    before = mem.rss_bytes()
+    llm = LLM(str(model_dir), device="cpu", dtype=dtype, kv_cache_dtype=kv, max_num_seqs=args.streams,
+              max_model_len=args.ctx, enable_prefix_caching=False)
+    runner, sampler = llm.core.runner, llm.core.sampler
+    loaded = mem.rss_bytes()
+    weights = weight_bytes(model_dir, runner.dtype, runner.model_config, runner.device, runner.quant)
+    calls: list[tuple[str, int, int, int]] = []  # (what, RSS at its start, its VmHWM, KV bytes zeroed in it)
+
+    def measured(fn, what):
+        def wrapper(*a, **kw):
+            start, zeroed = mem.rss_bytes(), runner._num_zeroed
+            mem.reset_peak_rss()
+            out = fn(*a, **kw)
+            calls.append((what, start, mem.rss_bytes("VmHWM"), (runner._num_zeroed - zeroed) * runner.block_bytes,
+                          zeroed * runner.block_bytes))
+            return out
+        return wrapper
+
+    runner.execute = measured(runner.execute, "step")
+    sampler.sample = measured(sampler.sample, "sampler")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, runner.vocab_size, (args.prompt_words,), generator=g).tolist()
+               for _ in range(args.streams)]
+    mem.reset_peak_rss()
+    llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
+    # The call whose VmHWM is the highest holds the peak: resident at its start (the engine as loaded, the KV
+    # blocks zeroed so far, the runner's reused buffers, freed heap kept), then its own rise.
+    what, start, hwm, kv_growth, kv_before = max(calls, key=lambda c: c[2])
+    buffers = sum(t.numel() * t.element_size() for group in (runner._gathered, runner._read) if group
+                  for t in group)
+    buffers += runner._logits.numel() * 4 if runner._logits is not None else 0
+    rise = {k: max((c[2] - c[1] - c[3] for c in calls if c[0] == k), default=0) for k in ("step", "sampler")}
+    out = {"bench": "memory_breakdown", "model": model, "dtype": dtype, "kv_cache_dtype": runner.kv_dtype_name,
+           "streams": args.streams, "prompt_tokens": args.prompt_words, "max_tokens": args.max_tokens,
+           "ctx": args.ctx, "rev": rev(), "peak_mib": round(hwm / MIB, 1), "peak_in": what,
+           "before_engine_mib": round(before / MIB, 1), "weights_mib": round(weights / MIB, 1),
+           "load_other_mib": round((loaded - before - weights) / MIB, 1),
+           "kv_pool_touched_mib": round(runner._num_zeroed * runner.block_bytes / MIB, 1),
+           "kv_pool_reserved_mib": round(runner.kv_plan.num_bytes / MIB, 1),
+           "step_activations_mib": round(rise["step"] / MIB, 1), "sampler_mib": round(rise["sampler"] / MIB, 1),
+           "runner_buffers_mib": round(buffers / MIB, 1),
+           "allocator_slack_mib": round(max(0, start - loaded - kv_before - buffers) / MIB, 1)}
+    # the peak = the process as loaded + KV zeroed by then + buffers + slack + the peak call's own rise
+    out["peak_call_rise_mib"] = round((hwm - start - kv_growth) / MIB, 1)
+    print(json.dumps(out), flush=True)
+
+
 def checkpoint(model: str, dtype: str) -> tuple[pathlib.Path, pathlib.Path | None]:
     """(HF checkpoint directory, GGUF file or None): the peers' pair when set up, else our own checkpoint."""
     peers_dir = PEERS_ROOT / "models" / f"qwen3-{model}-random"
@@ -366,10 +442,19 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="rawserve alone.")
     parser.add_argument("--abuse", action="store_true", help="The demo model's abuse burst (see above), alone.")
     parser.add_argument("--abuse-max-tokens", type=int, default=1000, help="max_tokens of the n=128 requests.")
+    parser.add_argument("--breakdown", action="store_true", help="The core's peak in parts (see above), alone.")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="With --breakdown: each --kv-cache-dtype.")
+    parser.add_argument("--breakdown-one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("flags", nargs="*", help="Extra rawserve flags (after --).")
     args = parser.parse_args()
     if args.abuse:
         abuse(args)
+        return
+    if args.breakdown_one:
+        breakdown_one(args)
+        return
+    if args.breakdown:
+        breakdown(args)
         return
     threads = str(os.cpu_count() or 1)
     for model in args.models.split(","):

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+# --kv-cache-dtype: vLLM's names; "fp8" is e4m3, as in vLLM
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 GENERATION_CONFIGS = ("auto", "vllm")  # or a directory
 ENV_PREFIX = "RAWSERVE_"
@@ -59,6 +62,12 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={
         "help": "Longest prompt + output, in tokens. Default: the checkpoint's max_position_embeddings."})
     block_size: int = field(default=16, metadata={"help": "Tokens per KV cache block."})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "The KV cache's storage dtype: auto (the activation dtype), bfloat16, float16, fp8_e4m3 (also fp8) "
+                "or fp8_e5m2. Attention still computes in the activation dtype: K/V are cast as they are written "
+                "and upcast as they are read. fp8 is unscaled (scale 1.0, values saturate at the format's "
+                "largest), as vLLM's default without calibrated scales.",
+        "choices": (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "KV cache size in blocks. Overrides --kv-cache-memory-gb."})
     kv_cache_memory_gb: float | str = field(default="auto", metadata={
@@ -123,6 +132,16 @@ class EngineConfig:
     quantization_group_size: int = field(default=128, metadata={
         "help": "Input columns sharing one scale and zero point under --quantization int4: 32 or 128.",
         "choices": QUANT_GROUP_SIZES})
+    runner: str = field(default="auto", metadata={
+        "help": "What the checkpoint serves: auto|generate|embed|rerank. auto: a BERT-family encoder embeds (reranks "
+                "with a classification head), a decoder with sentence-transformers' modules.json (Qwen3-Embedding) "
+                "embeds, any other decoder generates. rerank on a Qwen3 checkpoint is Qwen3-Reranker's yes/no "
+                "scoring. An embed or rerank model answers /v1/embeddings or /v1/rerank, and 400 elsewhere.",
+        "choices": ("auto", "generate", "embed", "rerank")})
+    pooling: str = field(default="auto", metadata={
+        "help": "An embedding model's pooling: auto (its 1_Pooling/config.json; else cls for encoders, last for "
+                "decoders), mean, cls or last.",
+        "choices": ("auto", "mean", "cls", "last")})
 
     @property
     def lora_enabled(self) -> bool:
@@ -155,6 +174,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         _check(self.dtype in DTYPES, "dtype", f"must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {'|'.join(KV_CACHE_DTYPES)} (or fp8), got {self.kv_cache_dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {'|'.join(DEVICES)}, got {self.device!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {'|'.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
@@ -197,6 +219,10 @@ class EngineConfig:
                f"must be one of {'|'.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check(self.quantization_group_size in QUANT_GROUP_SIZES, "quantization_group_size",
                f"must be 32 or 128, got {self.quantization_group_size!r}")
+        _check(self.runner in ("auto", "generate", "embed", "rerank"), "runner",
+               f"must be one of auto|generate|embed|rerank, got {self.runner!r}")
+        _check(self.pooling in ("auto", "mean", "cls", "last"), "pooling",
+               f"must be one of auto|mean|cls|last, got {self.pooling!r}")
         self.lora_paths()
 
 
@@ -261,7 +287,9 @@ class ServerConfig:
                 "compile holds up only its own."})
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file overriding the checkpoint's."})
-    tool_call_parser: str = field(default="hermes", metadata={"help": "Tool-call output parser by name."})
+    tool_call_parser: str = field(default="auto", metadata={
+        "help": "Tool-call output parser by name (hermes, llama3_json, qwen3_coder); auto: qwen3_coder when the chat "
+                "template teaches the XML form (<function=...><parameter=...>), else hermes."})
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "Reasoning output parser by name (e.g. qwen3); None: no reasoning split."})
     enable_auto_tool_choice: bool = field(default=False, metadata={

@@ -228,7 +228,9 @@ def test_32_streams_complete_in_a_600_mib_cgroup(tmp_path, cgroups):
         summary = next(line for line in server.lines if "listening on" in line and "serving" in line)
         # dtype auto: bf16 where the CPU has it natively, else float32 (16 MiB of KV for 32 x 256 tokens)
         kv_bytes = 8 * MIB if "dtype bfloat16" in summary else 16 * MIB
-        assert (f"KV cache 8192 tokens (512 blocks of 16, {kv_bytes / MIB:.1f} MiB) [what 32 sequences x 256 tokens "
+        kv_dtype = "bfloat16" if "dtype bfloat16" in summary else "float32"
+        assert (f"KV cache 8192 tokens (512 blocks of 16, {kv_bytes / MIB:.1f} MiB, {kv_dtype}) [what 32 sequences x "
+                "256 tokens "
                 "can use") in summary, summary
         assert "cgroup" in summary, summary  # the limit the cap came from is this cgroup's
         assert burst(server.port) == [(200, ["length"], 48)] * 32

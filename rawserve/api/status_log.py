@@ -74,7 +74,8 @@ def startup_summary(engine_config: EngineConfig, server_config: ServerConfig, mo
     kv = f"{num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}" if num_blocks else "?"
     if num_blocks:
         kv_bytes = info.get("kv_cache_bytes")
-        kv += (f", {kv_bytes / (1 << 20):.1f} MiB" if isinstance(kv_bytes, int) else "") + ")"
+        kv += (f", {kv_bytes / (1 << 20):.1f} MiB" if isinstance(kv_bytes, int) else "")
+        kv += (f", {info['kv_cache_dtype']}" if info.get("kv_cache_dtype") else "") + ")"
         if info.get("kv_cache_reason"):
             kv += f" [{info['kv_cache_reason']}]"
     threads = ""

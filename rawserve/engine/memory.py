@@ -152,21 +152,37 @@ def rss_bytes(field: str = "VmRSS") -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVPlan:
-    """The KV pool's size and the sentence that says why (the startup line repeats it)."""
+    """The KV pool's size and the sentence that says why (the startup line repeats it). A hybrid model's state
+    slots (plan_kv_cache's state_bytes) come out of the same budget: num_bytes counts them too."""
     num_blocks: int
     num_bytes: int
     reason: str
+    num_state_slots: int = 0  # running sequences' states: --max-num-seqs is bounded by this as well
+    num_saved_states: int = 0  # the prefix cache's saved states (state_cache.StateCacheManager)
+    state_bytes: int = 0  # one slot's bytes
+
+
+def kv_block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one KV block over every layer, K and V, at the KV cache's storage dtype (--kv-cache-dtype:
+    `element_bytes` is 1 for fp8, 2 for bf16/fp16, 4 for float32), not the activations'."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
 
 
 def plan_kv_cache(*, block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int,
                   num_kv_blocks: int | None, memory_gb: float | str, room: Headroom | None, margin_bytes: int,
-                  share: float, device_budget: tuple[int, str] | None = None) -> KVPlan:
+                  share: float, device_budget: tuple[int, str] | None = None, state_bytes: int = 0,
+                  save_states: bool = False) -> KVPlan:
     """Size the KV pool: the smaller of what max_num_seqs x max_model_len can use and the budget.
 
     The budget is, in order: --num-kv-blocks; a device budget (a GPU's --gpu-memory-utilization); a
     --kv-cache-memory-gb number (refused when `room` cannot back it); else auto, `share` of what is left in
     `room` after `margin_bytes` (a step's working memory), refused when it cannot hold one max_model_len
     sequence. Raises ValueError with the numbers.
+
+    state_bytes: a hybrid model's fixed state per sequence (Qwen3.5's conv and recurrent states). The budget then
+    holds --max-num-seqs running slots, and as many saved states for the prefix cache when `save_states`; when it
+    cannot hold those and the KV of what they can use, the states get at most half of it (at least one running slot
+    and, with `save_states`, one saved). The KV blocks get the rest.
     """
     blocks_per_seq = -(-max_model_len // block_size)
     need_blocks = max_num_seqs * blocks_per_seq
@@ -174,12 +190,15 @@ def plan_kv_cache(*, block_bytes: int, block_size: int, max_num_seqs: int, max_m
     left = None if room is None else room.available_bytes - margin_bytes
     where = "" if room is None else (f"{mib(room.available_bytes)} left under the {room.source}, less "
                                      f"{mib(margin_bytes)} of measured step working memory")
+    per_seq_states = 2 if save_states else 1
     if num_kv_blocks is not None:
         blocks, why = num_kv_blocks, "--num-kv-blocks"
-        if left is not None and blocks * block_bytes > left:
-            raise ValueError(f"--num-kv-blocks: {blocks} blocks need {mib(blocks * block_bytes)}, more than this "
-                             f"host can back ({where}: {mib(max(left, 0))})")
-        return KVPlan(blocks, blocks * block_bytes, why)
+        slots = per_seq_states * max_num_seqs if state_bytes else 0
+        if left is not None and blocks * block_bytes + slots * state_bytes > left:
+            raise ValueError(f"--num-kv-blocks: {blocks} blocks need {mib(blocks * block_bytes)}"
+                             f"{f' and {slots} state slots {mib(slots * state_bytes)}' if slots else ''}, more than "
+                             f"this host can back ({where}: {mib(max(left, 0))})")
+        return _with_states(KVPlan(blocks, blocks * block_bytes, why), slots, state_bytes, save_states)
     if device_budget is not None:
         budget, why = device_budget
     elif memory_gb != "auto":
@@ -191,6 +210,13 @@ def plan_kv_cache(*, block_bytes: int, block_size: int, max_num_seqs: int, max_m
         assert left is not None, "auto sizing needs the memory headroom"
         budget = int(share * max(left, 0))
         why = f"{share:g} x ({where})"
+    slots = 0
+    if state_bytes:
+        slots = per_seq_states * max_num_seqs
+        if slots * state_bytes + need_blocks * block_bytes > budget:
+            slots = min(slots, max(per_seq_states, budget // 2 // state_bytes))
+        budget -= slots * state_bytes
+        why = f"{why}, less the state slots"
     blocks = min(budget // block_bytes, need_blocks)
     if blocks == need_blocks:
         why = f"{need}; the cap was {mib(budget)} = {why}"
@@ -202,4 +228,15 @@ def plan_kv_cache(*, block_bytes: int, block_size: int, max_num_seqs: int, max_m
             f"({mib(max(blocks, 0) * block_bytes)}) fit, {why.split('; ')[0]}, but one --max-model-len "
             f"{max_model_len} sequence needs {blocks_per_seq * block_size} tokens "
             f"({mib(blocks_per_seq * block_bytes)}); lower --max-model-len, or give the server more memory")
-    return KVPlan(blocks, blocks * block_bytes, why)
+    return _with_states(KVPlan(blocks, blocks * block_bytes, why), slots, state_bytes, save_states)
+
+
+def _with_states(plan: KVPlan, slots: int, state_bytes: int, save_states: bool) -> KVPlan:
+    """The plan with its state slots split (running first, then saved) and said in its reason."""
+    if not slots:
+        return plan
+    saved = slots // 2 if save_states else 0
+    running = slots - saved
+    why = (f"{plan.reason}; plus {slots} state slots of {mib(state_bytes)} ({running} running, {saved} saved for "
+           f"the prefix cache) = {mib(slots * state_bytes)}")
+    return KVPlan(plan.num_blocks, plan.num_bytes + slots * state_bytes, why, running, saved, state_bytes)

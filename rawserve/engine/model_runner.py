@@ -12,13 +12,17 @@ import torch
 
 from rawserve.config import CPU_MEMORY_SHARE, EngineConfig
 from rawserve.engine import memory
+from rawserve.engine.attention.kv_dtype import name_of, resolve_kv_dtype
 from rawserve.engine.attention.metadata import AttentionMetadata, decode_splits
+from rawserve.engine.attention.torch_backend import read_dtype
 from rawserve.engine.cuda_graphs import DecodeGraphs
 from rawserve.engine.dtype_probe import DtypeChoice, probe_cpu_dtype
 from rawserve.engine.loader import ModelConfig, TensorEntry, can_map, load_weights, read_model_config, \
     read_safetensors_header, safetensors_files
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
+from rawserve.engine.models.gated_delta import StateBatch
+from rawserve.engine.models.qwen35 import load_qwen35_model
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
@@ -64,6 +68,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     quant: quantize the linear weights as they load (DecoderModel.defer_quantized); the rest stays at dtype.
     """
     cfg = cfg or read_model_config(model_dir)
+    if cfg.hybrid is not None:  # Qwen3.5: its own layer kinds, set-aside tensors and final norm
+        return load_qwen35_model(model_dir, dtype, device, cfg, prepack=prepack, attention_backend=attention_backend,
+                                 quant=quant)
     with torch.device("meta"):
         model = DecoderModel(cfg, dtype, attention_backend)
     on_filled = model.defer_quantized(quant) if quant is not None else None
@@ -95,7 +102,7 @@ def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: to
         return None
     for file in safetensors_files(model_dir):
         for entry in read_safetensors_header(file):
-            if entry.name == "model.embed_tokens.weight":
+            if entry.name == _embedding_name(cfg):
                 usable = can_map(entry) and entry.shape == (cfg.vocab_size, cfg.hidden_size)
                 return entry if usable and entry.dtype.is_floating_point else None
     return None
@@ -111,33 +118,58 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
     packed = device.type == "cpu" and cpu_prepack_supported(dtype)
     head_apart = packed or quant is not None  # the head is read from its own packed or quantized copy
     mapped = mapped_embedding(model_dir, cfg, device, head_apart)
+    prefix = cfg.hybrid.tensor_prefix if cfg.hybrid is not None else "model."
+    set_aside = cfg.hybrid.set_aside_prefixes if cfg.hybrid is not None else ()
     total = 0
     for file in safetensors_files(model_dir):
         for entry in read_safetensors_header(file):
             if mapped is not None and entry.name == mapped.name and entry.file == mapped.file:
                 continue
-            if quant is not None and (entry.name == "lm_head.weight" or _is_linear(entry.name)):
+            if set_aside and entry.name.startswith(set_aside):
+                continue  # a vision tower or MTP head the loader leaves unread
+            if quant is not None and (entry.name == "lm_head.weight" or _is_linear(entry.name, prefix)):
                 continue  # counted below, fused and quantized
             if entry.dtype.is_floating_point:
                 # DecoderModel.narrow_embedding: an embedding no matmul reads stays at the checkpoint's dtype
-                narrow = entry.name == "model.embed_tokens.weight" and (head_apart or not cfg.tie_word_embeddings)
+                narrow = entry.name == _embedding_name(cfg) and (head_apart or not cfg.tie_word_embeddings)
                 total += entry.num_bytes // entry.dtype.itemsize * (min(size, entry.dtype.itemsize) if narrow else size)
     if quant is not None:
-        q, kv, inter, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, \
-            cfg.hidden_size
-        for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
-            total += cfg.num_layers * (quantized_bytes(quant, n, k) or n * k * size)
-        total += quantized_bytes(quant, cfg.vocab_size, hidden, head=True)
+        for n, k in _linear_shapes(cfg):
+            total += quantized_bytes(quant, n, k) or n * k * size
+        total += quantized_bytes(quant, cfg.vocab_size, cfg.hidden_size, head=True)
     elif cfg.tie_word_embeddings and packed:
         total += cfg.vocab_size * cfg.hidden_size * size
     return total
 
 
-def _is_linear(name: str) -> bool:
-    """A checkpoint tensor that fills one of a layer's fused matmul weights (LINEARS)."""
-    return name.startswith("model.layers.") and name.endswith((
+def _embedding_name(cfg: ModelConfig) -> str:
+    return f"{cfg.hybrid.tensor_prefix}embed_tokens.weight" if cfg.hybrid is not None else "model.embed_tokens.weight"
+
+
+def _is_linear(name: str, prefix: str = "model.") -> bool:
+    """A checkpoint tensor that fills one of a layer's fused matmul weights (LINEARS; Qwen3.5's linear_names)."""
+    return name.startswith(f"{prefix}layers.") and name.endswith((
         ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight",
-        ".up_proj.weight", ".down_proj.weight"))
+        ".up_proj.weight", ".down_proj.weight", ".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight",
+        ".in_proj_a.weight", ".out_proj.weight"))
+
+
+def _linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every fused matmul weight of every layer, as the layers hold them."""
+    q, kv, inter, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, \
+        cfg.hidden_size
+    mlp = [(2 * inter, hidden), (hidden, inter)]
+    if cfg.hybrid is None:
+        return [(q + 2 * kv, hidden), (hidden, q), *mlp] * cfg.num_layers
+    hy = cfg.hybrid
+    shapes = []
+    for kind in hy.layer_types:
+        if kind == "linear_attention":  # in_proj (qkv, z, b, a), out_proj
+            shapes += [(hy.conv_dim + hy.value_dim + 2 * hy.linear_num_value_heads, hidden), (hidden, hy.value_dim)]
+        else:  # q_proj carries the output gate too
+            shapes += [(2 * q + 2 * kv, hidden), (hidden, q)]
+        shapes += mlp
+    return shapes
 
 
 def sampler_worst_case(logits: torch.Tensor) -> None:
@@ -187,6 +219,8 @@ class ModelRunner:
         choice = resolve_dtype(config, cfg, self.device)
         self.dtype = choice.dtype
         log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), choice.reason)
+        # --kv-cache-dtype: what the pool stores; attention computes in self.dtype (the backends cast)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len: {self.max_model_len} exceeds the checkpoint's "
@@ -195,6 +229,13 @@ class ModelRunner:
         self.eos_token_ids = cfg.eos_token_ids
         self.block_size = config.block_size
         use_graphs = resolve_cuda_graphs(config, self.device)
+        # Qwen3.5 (hybrid): a KV pair per full-attention layer only, and per-sequence states (self.states)
+        self.is_hybrid = cfg.hybrid is not None
+        if self.is_hybrid and use_graphs:
+            if config.cuda_graphs == "on":
+                raise ValueError("--cuda-graphs: on is not supported for Qwen3.5 (hybrid) models; use auto or off")
+            use_graphs = False  # a decode graph holds no state slots: the hybrid runs eagerly
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # per linear layer: (conv, recurrent) by slot
         self.graphs: DecodeGraphs | None = None  # captured last, once the KV pool exists; the profile step runs eager
         check_attention_backend(config, cfg, self.device)
         self.quant = (probe_plan(config.quantization, config.quantization_group_size, self.device)
@@ -219,6 +260,7 @@ class ModelRunner:
         self._num_zeroed = 0  # leading blocks of the pool written with zeros (see _zero_blocks)
         self._logits: torch.Tensor | None = None  # see _logits_out
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # see _gather_out
+        self._read: tuple[torch.Tensor, torch.Tensor] | None = None  # see _read_out
         if self.device.type == "cpu":  # from here on a step's large tensors reuse freed heap, not fresh pages
             keep_freed_heap()
         margin = self._profile_step() if sizes_by_memory and config.kv_cache_memory_gb == "auto" else 0
@@ -227,23 +269,59 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Left empty: blocks are zeroed as the scheduler first hands them out (_zero_blocks), so a pool sized
         # for the worst case costs memory only as far as it is used.
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.empty(shape, dtype=self.kv_dtype, device=self.device))
+                          for _ in range(self.num_kv_layers)]
+        if self.is_hybrid:  # running slots, then the prefix cache's saved states (StateCacheManager's numbering)
+            self.states = self._allocate_states(self.kv_plan.num_state_slots + self.kv_plan.num_saved_states)
         self._num_zeroed = 0
         self._rss_at_start = memory.rss_bytes()  # what idle_cached_blocks measures against
-        log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s): %s; %s attention", config.model_dir,
-                 self.dtype, self.device, self.num_blocks * self.block_size, self.num_blocks, self.block_size,
-                 memory.mib(self.kv_plan.num_bytes), self.kv_plan.reason, config.attention_backend)
+        log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s, %s): %s; %s attention",
+                 config.model_dir, self.dtype, self.device, self.num_blocks * self.block_size, self.num_blocks,
+                 self.block_size, memory.mib(self.kv_plan.num_bytes), self.kv_dtype_name, self.kv_plan.reason,
+                 config.attention_backend)
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_model_len,
                                        self.block_size, self.device)
 
     @property
+    def kv_dtype_name(self) -> str:
+        """The pool's storage dtype by --kv-cache-dtype's names (float32 for an auto cache of a float32 model)."""
+        return name_of(self.kv_dtype)
+
+    @property
+    def pooled_size(self) -> int:
+        """Values in a pooled vector: the final hidden state's."""
+        return self.model_config.hidden_size
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a (K, V) pair in the paged cache: all of them, or a hybrid's full-attention layers."""
+        return self.model.num_kv_layers if self.is_hybrid else self.model_config.num_layers
+
+    def _allocate_states(self, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A hybrid's state pool: per linear layer (conv [S, conv_dim, K-1] at the model's dtype, recurrent
+        [S, Hv, dk, dv] float32). Left empty, as the KV pool is: a fresh sequence's slot is zeroed by the forward
+        (StateBatch.fresh) and a restored one copied whole, so pages are touched only as slots are used."""
+        conv, rec = self.model.state_shapes(num_slots)
+        return [(torch.empty(conv, dtype=self.dtype, device=self.device),
+                 torch.empty(rec, dtype=torch.float32, device=self.device))
+                for _ in range(self.model.num_state_layers)]
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole state slots, (from, to) in order (StateCacheManager.take_copies: prefix-cache restores
+        before a forward, saves after it), every linear layer's conv and recurrent rows."""
+        for src, dst in copies:
+            for conv, recurrent in self.states:
+                conv[dst].copy_(conv[src])
+                recurrent[dst].copy_(recurrent[src])
+
+    @property
     def block_bytes(self) -> int:
         cfg = self.model_config
-        return (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+        return memory.kv_block_bytes(num_layers=self.num_kv_layers, block_size=self.block_size,
+                                     num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                     element_bytes=self.kv_dtype.itemsize)
 
     def _check_weights_fit(self, room: memory.Headroom) -> None:
         """Refuse (ValueError, with the numbers) a process that cannot hold the weights and one step: checked
@@ -276,13 +354,16 @@ class ModelRunner:
         seqs, left = [], num_tokens
         while left > 0:
             n = min(left, self.max_model_len)
-            seqs.append(StepInput(token_ids=[0] * n, num_computed_tokens=0, block_table=[0] * -(-n // bs)))
+            seqs.append(StepInput(token_ids=[0] * n, num_computed_tokens=0, block_table=[0] * -(-n // bs),
+                                  state_slot=len(seqs) if self.is_hybrid else -1))
             left -= n
         rows = min(self.config.max_num_seqs, num_tokens)
         batch = ForwardBatch(seqs, [num_tokens - 1 - i * (num_tokens // rows) for i in range(rows)][::-1])
         one = (1, bs, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.empty(one, dtype=self.dtype), torch.empty(one, dtype=self.dtype))
-                          for _ in range(cfg.num_layers)]
+        self.kv_caches = [(torch.empty(one, dtype=self.kv_dtype), torch.empty(one, dtype=self.kv_dtype))
+                          for _ in range(self.num_kv_layers)]
+        if self.is_hybrid:
+            self.states = self._allocate_states(len(seqs))
         memory.reset_peak_rss()
         before = memory.rss_bytes()
         logits = self.execute(batch)
@@ -290,6 +371,7 @@ class ModelRunner:
         margin = max(0, memory.rss_bytes("VmHWM") - before)
         del logits
         self.kv_caches = []
+        self.states = []
         self.release_buffers()  # an idle engine holds no logits buffer
         release_free_heap()  # what the step freed, before the cgroup's usage is read for the cap
         return margin
@@ -307,7 +389,8 @@ class ModelRunner:
             block_bytes=self.block_bytes, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_kv_blocks=config.num_kv_blocks,
             memory_gb=config.kv_cache_memory_gb, room=room, margin_bytes=margin, share=CPU_MEMORY_SHARE,
-            device_budget=device_budget)
+            device_budget=device_budget, state_bytes=self.model.state_bytes_per_slot() if self.is_hybrid else 0,
+            save_states=config.enable_prefix_caching)
 
     def _zero_blocks(self, top: int) -> None:
         """Zero blocks [_num_zeroed, top) before a step reads them. Never-written slots are read (and masked
@@ -430,6 +513,7 @@ class ModelRunner:
                 decodes = 0 if meta.decode_block_run is not None else decode_blocks.numel()
                 most = max([decodes] + [-(-seq_lens[i] // bs) for i in prefill_seq])
                 meta.gather_out = self._gather_out(most) if most else None
+                meta.read_out = self._read_out(max(most, decode_blocks.numel())) if most or len(decode_seq) else None
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(batch.logit_indices, dtype=torch.int64, device=dev))
@@ -444,12 +528,37 @@ class ModelRunner:
         graphed = self._run_graph(batch)
         if graphed is not None:
             return graphed
+        hidden, rows = self._hidden(batch)
+        return self._rows_logits(hidden, rows)
+
+    @torch.inference_mode()
+    def execute_pooling(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """execute() for a step with pooling spans -> (its logits, as execute's; float32 sums of the final hidden
+        states over each of batch.pool_spans [len(pool_spans), hidden]). Always eager: a decode graph keeps no
+        hidden states, and a one-token prompt would otherwise look like a decode to it."""
+        hidden, rows = self._hidden(batch)
+        pooled = torch.stack([hidden[start:end].float().sum(0) for start, end in batch.pool_spans])
+        return self._rows_logits(hidden, rows), pooled
+
+    def logits_of(self, hidden: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+        """The LM head's float32 logits of `token_ids` for final hidden states [N, hidden] -> [N, len(token_ids)]
+        (a pooled row scored by a few tokens: Qwen3-Reranker's yes/no)."""
+        logits = self.model.compute_logits(hidden.to(self.dtype))
+        return logits[:, torch.tensor(token_ids, dtype=torch.int64, device=logits.device)]
+
+    def _hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The eager forward -> (final hidden states [T, hidden], the logit rows' indices [R])."""
         input_ids, positions, meta, rows = self._metadata(batch)
         lora = None
         if self.lora is not None and any(inp.lora_slot >= 0 for inp in batch.seqs):  # a base-only step: no work
             token_slots = [s for inp in batch.seqs for s in [inp.lora_slot] * len(inp.token_ids)]
             lora = self.lora.batch(token_slots)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]
+        if self.is_hybrid:  # reads and writes the step's state slots in place
+            return self.model(input_ids, positions, self.kv_caches, meta, lora, states=self.states,
+                              state_batch=StateBatch.from_inputs(batch.seqs)), rows
+        return self.model(input_ids, positions, self.kv_caches, meta, lora), rows  # [T, hidden]
+
+    def _rows_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if rows.numel() == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[rows], self._logits_out(rows.numel()))  # [num_rows, vocab]
@@ -478,13 +587,29 @@ class ModelRunner:
         row = self.block_size * cfg.num_kv_heads * cfg.head_dim
         if self._gathered is None or self._gathered[0].numel() < num_blocks * row:
             self._gathered = None  # the old pair goes before the larger one comes
-            self._gathered = tuple(torch.empty(num_blocks * row, dtype=self.dtype) for _ in range(2))
+            self._gathered = tuple(torch.empty(num_blocks * row, dtype=self.kv_dtype) for _ in range(2))
         return self._gathered
+
+    def _read_out(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Flat byte buffers for the torch backend's upcasts of num_blocks gathered KV blocks (torch_backend.
+        _read_as), when the pool stores another dtype than decode attention reads (--kv-cache-dtype, or a bf16
+        model without GQA, read in float32); None when no read is upcast. Kept and given back as _gather_out's."""
+        cfg = self.model_config
+        read = read_dtype(self.dtype, cfg.num_heads, cfg.num_kv_heads, self.device)
+        if read == self.kv_dtype and self.dtype == self.kv_dtype:
+            return None
+        num_bytes = num_blocks * self.block_size * cfg.num_kv_heads * cfg.head_dim * max(read.itemsize,
+                                                                                           self.dtype.itemsize)
+        if self._read is None or self._read[0].numel() < num_bytes:
+            self._read = None  # the old pair goes before the larger one comes
+            self._read = tuple(torch.empty(num_bytes, dtype=torch.uint8) for _ in range(2))
+        return self._read
 
     def release_buffers(self) -> None:
         """Drop the reused logits and gather buffers (the engine is idle); the next step makes new ones."""
         self._logits = None
         self._gathered = None
+        self._read = None
 
     def _run_graph(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits from a captured decode graph, or None when the step must run eagerly (a prefill in it, a

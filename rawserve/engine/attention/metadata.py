@@ -45,6 +45,9 @@ class AttentionMetadata:
     # CPU: flat K and V buffers the runner reuses across layers and steps, which the block gathers write into
     # (each at least as long as the largest gather this step); None: each gather allocates its own
     gather_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    # CPU, a cache stored in another dtype than attention reads (--kv-cache-dtype): flat uint8 buffers the
+    # gathers are upcast into, viewed as the read dtype (torch_backend._read_as); None: each upcast allocates
+    read_out: tuple[torch.Tensor, torch.Tensor] | None = None
     # Triton backend: the same selections as device index tensors, and the grid sizes (host ints).
     decode_seq_ids: torch.Tensor | None = None  # [num_decodes] int64: each decode's sequence
     prefill_seqs: torch.Tensor | None = None  # [num_prefills] int64: prefill_seq_ids on the device

@@ -8,16 +8,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rawserve.engine.attention.kv_dtype import to_cache
 from rawserve.engine.attention.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V at their slots.
+    """Store this step's K/V at their slots, cast to the caches' dtype (--kv-cache-dtype; kv_dtype.to_cache).
 
     k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k, v = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
+    if k_cache.element_size() == 1:  # index_copy_ has no fp8 kernel on a CPU (torch 2.13): copy the bytes
+        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -47,6 +51,27 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int, out: torch.T
     return gather_blocks(cache, blocks, out).flatten(0, 1)[:length]
 
 
+def read_dtype(activation_dtype: torch.dtype, num_heads: int, num_kv_heads: int, device: torch.device
+               ) -> torch.dtype:
+    """The dtype decode attention reads K/V in: the activation dtype, but float32 for a half-precision model
+    without GQA on a CPU (see paged_attention's one-row note)."""
+    if num_heads == num_kv_heads and device.type == "cpu" and activation_dtype != torch.float32:
+        return torch.float32
+    return activation_dtype
+
+
+def _read_as(x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """x (K or V as stored) in the dtype attention computes in: itself when it is stored so, else an upcast copy,
+    written into the start of the flat byte buffer `out` when that is large enough (the runner's, reused across
+    layers and steps, as the gathers' are)."""
+    if x.dtype == dtype:
+        return x
+    num_bytes = x.numel() * dtype.itemsize
+    if out is None or out.numel() < num_bytes:
+        return x.to(dtype)
+    return out[:num_bytes].view(dtype).view(x.shape).copy_(x)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context (this step's K/V already written).
@@ -63,14 +88,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size = meta.block_size
     starts = meta.query_start_loc_cpu
     k_out, v_out = meta.gather_out or (None, None)  # one pair for every gather below: each is used before the next
+    k_read, v_read = meta.read_out or (None, None)  # ... and for every upcast of a gather (a cache not stored in
+    # the dtype attention computes in)
 
     for i in meta.prefill_seq_ids:
         start, end = starts[i], starts[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_cpu[i]
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[i, :num_blocks]
-        k = _gather(k_cache, blocks, seq_len, k_out)  # [seq_len, kv_heads, D]
-        v = _gather(v_cache, blocks, seq_len, v_out)
+        k = _read_as(_gather(k_cache, blocks, seq_len, k_out), q.dtype, k_read)  # [seq_len, kv_heads, D]
+        v = _read_as(_gather(v_cache, blocks, seq_len, v_out), q.dtype, v_read)
         # 4-D [1, heads, len, D]: with 3-D inputs torch's CPU SDPA drops to its slow math path.
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq_len, D]
@@ -99,12 +126,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # rather than one: CPU SDPA's one-row path is slow, in bf16 2-10x slower than in float32 (torch 2.13).
         group = num_heads // num_kv_heads
         qd = (q if decode_only else q[token_ids]).reshape(num_decodes, num_kv_heads, group, head_dim)
-        if group == 1 and q.device.type == "cpu" and q.dtype != torch.float32:
-            qd, k, v = qd.float(), k.float(), v.float()  # one row per head: float32 on the copies gathered anyway
+        compute = read_dtype(q.dtype, num_heads, num_kv_heads, q.device)
+        if compute != q.dtype:  # one row per head: float32 on the copies gathered anyway
+            qd = qd.float()
+        k, v = _read_as(k, compute, k_read), _read_as(v, compute, v_read)  # [B, L, kv_heads, D]
         o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
         o = o.reshape(num_decodes, num_heads, head_dim)
-        if o.dtype != q.dtype:  # the float32 upcast above
+        if o.dtype != q.dtype:  # the float32 read above
             o = o.to(q.dtype)
         if decode_only:
             return o

@@ -11,10 +11,31 @@ import torch
 import triton
 import triton.language as tl
 
+from rawserve.engine.attention.kv_dtype import saturation, to_cache
+
+
+@triton.jit
+def _to_cache(x, cache_ptr, LIMIT: tl.constexpr, MANT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+              SUB_STEP: tl.constexpr):
+    # Activations -> the cache's dtype through float32 (triton 3.9's interpreter converts bf16's raw bits
+    # otherwise); an fp8 cache saturates at LIMIT, unscaled (kv_dtype.to_cache is the torch twin).
+    x = x.to(tl.float32)
+    if LIMIT > 0:
+        x = tl.minimum(tl.maximum(x, -LIMIT), LIMIT)
+    if MANT > 0:  # see _downcast_grid: round to the target's grid (nearest even) in float32 first
+        bits = x.to(tl.int32, bitcast=True)
+        bits = bits + ((1 << (22 - MANT)) - 1) + ((bits >> (23 - MANT)) & 1)
+        normal = (bits & -(1 << (23 - MANT))).to(tl.float32, bitcast=True)
+        magic = 1.5 * 8388608.0 * SUB_STEP  # adding 1.5 x 2^23 steps rounds to a multiple of the step
+        tiny = (tl.abs(x) + magic) - magic  # on the magnitude, so a tiny negative rounds to -0.0 as torch's does
+        x = tl.where(tl.abs(x) < MIN_NORMAL, tl.where(x < 0, -tiny, tiny), normal)
+    return x.to(cache_ptr.dtype.element_ty)
+
 
 @triton.jit
 def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
-              ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+              ROW: tl.constexpr, ROW_PAD: tl.constexpr, CONVERT: tl.constexpr, LIMIT: tl.constexpr,
+              MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_STEP: tl.constexpr):
     # One program per token: its [num_kv_heads * head_dim] row goes to its slot; slot -1 is a padding row.
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -22,6 +43,9 @@ def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride
     mask = offs < tl.where(slot >= 0, ROW, 0)
     k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
     v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
+    if CONVERT:  # --kv-cache-dtype other than the activations'
+        k = _to_cache(k, k_cache_ptr, LIMIT, MANT, MIN_NORMAL, SUB_STEP)
+        v = _to_cache(v, v_cache_ptr, LIMIT, MANT, MIN_NORMAL, SUB_STEP)
     tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
 
@@ -29,7 +53,8 @@ def _write_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head, pos,
                  seq_len, visible, scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, CONVERT: tl.constexpr,
+                 ACT: tl.constexpr):
     # One online-softmax step: q [M, D] against the K/V tile at positions pos [N] (read through the block
     # table); visible [M, N] (or [1, N]) masks the scores. Every row must see one key by its first tile.
     d = tl.arange(0, HEAD_DIM)
@@ -38,6 +63,9 @@ def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr, s
     rows = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
     k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [N, D]
     v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if CONVERT:  # a cache stored in another dtype (--kv-cache-dtype): read into the activations' dtype ACT,
+        # through float32 (the interpreter's note in _to_cache)
+        k, v = k.to(tl.float32).to(ACT), v.to(tl.float32).to(ACT)
     if UPCAST:  # see _dot_inputs_upcast
         k, v = k.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N] float32
@@ -46,8 +74,8 @@ def _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr, s
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    # p is rounded to the cache's dtype for the PV product, as a GPU's half-precision dot takes it.
-    p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+    # p is rounded to the activations' dtype for the PV product, as a GPU's half-precision dot takes it.
+    p = p.to(ACT).to(v.dtype)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -57,7 +85,7 @@ def _decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr
             seq_lens_ptr, token_ids_ptr, seq_ids_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
             scale, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr, CONVERT: tl.constexpr):
     # Program (decode b, KV head, split): the GROUP query heads sharing the KV head, over the split's tiles.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,7 +112,8 @@ def _decode(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr
     for tile in range(first, last):  # a tile in range holds one valid position at least
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt,
                                      kv_head, tile * TILE_N + n, seq_len, (n >= 0)[None, :], scale,  # all visible
-                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION, UPCAST)
+                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION, UPCAST, CONVERT,
+                                     q_ptr.dtype.element_ty)
     # An empty split (or a padding row of length 0) has l_i = 0: its output is 0 and its weight exp(-inf).
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -121,7 +150,8 @@ def _reduce_splits(part_out_ptr, part_lse_ptr, out_ptr, token_ids_ptr, stride_ot
 def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
              seq_ids_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, scale,
              NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             TILE_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+             TILE_M: tl.constexpr, TILE_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+             CONVERT: tl.constexpr):
     # Program (prefill sequence i, query head, query tile): causal attention of TILE_M new tokens over the
     # cache, which holds the context (earlier chunks, prefix-cache hits) and this step's K/V already.
     seq = tl.load(seq_ids_ptr + tl.program_id(0))
@@ -151,7 +181,8 @@ def _prefill(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_len
         pos = tile * TILE_N + n
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt,
                                      kv_head, pos, seq_len, pos[None, :] <= (context + m)[:, None], scale,
-                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION, UPCAST)
+                                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, PRECISION, UPCAST, CONVERT,
+                                     q_ptr.dtype.element_ty)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
@@ -174,6 +205,18 @@ def _dot_inputs_upcast(dtype: torch.dtype) -> bool:
     """Under the interpreter, half-precision dot inputs go to float32 first: triton 3.9's interpreter
     multiplies bf16's raw uint16 bits in tl.dot. Loads, stores and the p rounding stay in the cache dtype."""
     return interpreted() and dtype != torch.float32
+
+
+def _downcast_grid(dtype: torch.dtype) -> tuple[int, float, float]:
+    """(mantissa bits, smallest normal, subnormal step) of a cache dtype narrower than float32, under the
+    interpreter; (0, 0, 0) elsewhere. triton 3.9's interpreter truncates a float32 -> fp8/bf16/fp16 cast and can
+    lose the carry into the exponent (0.49 -> 0.25 in e4m3), while values already on the target's grid convert
+    exactly; so _to_cache rounds to the grid first. A GPU's cast rounds to nearest even by itself."""
+    if not interpreted() or dtype == torch.float32:
+        return 0, 0.0, 0.0
+    info = torch.finfo(dtype)
+    mant = round(-math.log2(info.eps))
+    return mant, float(info.smallest_normal), float(info.smallest_normal * info.eps)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -209,17 +252,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k.stride(2) == 1 and k.stride(1) == head_dim and v.stride(2) == 1 and v.stride(1) == head_dim
     row = num_kv_heads * head_dim
     _check_device(k)
+    grid = _downcast_grid(k_cache.dtype)
     _write_kv[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                             ROW=row, ROW_PAD=triton.next_power_of_2(row))
+                             ROW=row, ROW_PAD=triton.next_power_of_2(row), CONVERT=k.dtype != k_cache.dtype,
+                             LIMIT=saturation(k_cache.dtype), MANT=grid[0], MIN_NORMAL=grid[1], SUB_STEP=grid[2])
 
 
 def reference_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """Torch reference of write_kv, padding slots (-1) skipped."""
+    """Torch reference of write_kv, padding slots (-1) skipped, cast as kv_dtype.to_cache casts."""
     keep = slot_mapping >= 0
     flat = k_cache.shape[2:]
-    k_cache.view(-1, *flat)[slot_mapping[keep]] = k[keep]
-    v_cache.view(-1, *flat)[slot_mapping[keep]] = v[keep]
+    k_cache.view(-1, *flat)[slot_mapping[keep]] = to_cache(k[keep].float(), k_cache.dtype)
+    v_cache.view(-1, *flat)[slot_mapping[keep]] = to_cache(v[keep].float(), v_cache.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -249,7 +294,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
-        PRECISION=_precision(q.dtype), UPCAST=_dot_inputs_upcast(q.dtype))
+        PRECISION=_precision(q.dtype), UPCAST=_dot_inputs_upcast(q.dtype), CONVERT=k_cache.dtype != q.dtype)
     if num_splits > 1:
         _reduce_splits[(num_decodes, num_heads)](
             part_out, part_lse, out, token_ids, out.stride(0), out.stride(1),
@@ -277,7 +322,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, seq_ids,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE_M=tile_m, TILE_N=tile_n, PRECISION=_precision(q.dtype), UPCAST=_dot_inputs_upcast(q.dtype))
+        TILE_M=tile_m, TILE_N=tile_n, PRECISION=_precision(q.dtype), UPCAST=_dot_inputs_upcast(q.dtype),
+        CONVERT=k_cache.dtype != q.dtype)
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
