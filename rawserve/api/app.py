@@ -16,7 +16,12 @@ from rawserve.api.access_log import logged, refusal_logger
 from rawserve.api.body_gate import BodyGate
 from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
+from rawserve.api.embeddings import create_embeddings, pooling_only
+from rawserve.api.guided import GrammarCache
+from rawserve.api.messages import (MESSAGES_PATH, anthropic_error_response, anthropic_errors, count_tokens,
+                                   create_message)
 from rawserve.api.rate_limit import RateLimiter
+from rawserve.api.rerank import create_rerank
 from rawserve.api.response_store import ResponseStore
 from rawserve.api.responses import create_response, delete_response, list_input_items, retrieve_response
 from rawserve.api.serving import ServingContext
@@ -24,18 +29,24 @@ from rawserve.api.status_log import StatsLogger, startup_summary
 from rawserve.config import EngineConfig, ServerConfig
 from rawserve.engine.frontend.async_llm import AsyncLLM
 from rawserve.engine.launch import CoreFactory, kv_capacity
+from rawserve.engine.pooling import PoolingSpec, read_pooling_spec
 from rawserve.http import HTTPServer, Router, bind_socket
 from rawserve.metrics import Metrics
 from rawserve.text.chat_template import load_chat_template
-from rawserve.text.defaults import GenerationDefaults
+from rawserve.text.defaults import GenerationDefaults, tool_call_parser_for
 from rawserve.text.parsers import check_parser_names
 from rawserve.text.tokenizer import Tokenizer
 
 log = logging.getLogger("rawserve")
 
 
+# What an embedding or rerank model answers with a 400 (it samples nothing), as vLLM's pooling runner does.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH)
+
+
 def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: ResponseStore,
-                 log_requests: bool = True, stall_timeout_s: float = 30.0) -> Router:
+                 log_requests: bool = True, stall_timeout_s: float = 30.0,
+                 pooling: PoolingSpec = PoolingSpec("generate")) -> Router:
     """Every route with its access line; routes under /v1 also carry a limited key's x-ratelimit-* headers."""
     router = Router()
     health = admin.health(ctx, stall_timeout_s)
@@ -46,8 +57,13 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
         ("GET", "/v1/responses/{response_id}", functools.partial(retrieve_response, store)),
         ("DELETE", "/v1/responses/{response_id}", functools.partial(delete_response, store)),
         ("GET", "/v1/responses/{response_id}/input_items", functools.partial(list_input_items, store)),
-        ("GET", "/v1/models", functools.partial(admin.list_models, ctx)),
-        ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx)),
+        ("POST", MESSAGES_PATH, functools.partial(create_message, ctx)),
+        ("POST", MESSAGES_PATH + "/count_tokens", functools.partial(count_tokens, ctx)),
+        ("POST", "/v1/embeddings", functools.partial(create_embeddings, ctx, pooling)),
+        ("POST", "/v1/rerank", functools.partial(create_rerank, ctx, pooling)),
+        ("POST", "/rerank", functools.partial(create_rerank, ctx, pooling)),
+        ("GET", "/v1/models", functools.partial(admin.list_models, ctx, task=pooling.task)),
+        ("GET", "/v1/models/{model:path}", functools.partial(admin.retrieve_model, ctx, task=pooling.task)),
         ("POST", "/v1/load_lora_adapter", functools.partial(admin.load_lora_adapter, ctx)),
         ("POST", "/v1/unload_lora_adapter", functools.partial(admin.unload_lora_adapter, ctx)),
         ("GET", "/health", health),
@@ -61,11 +77,17 @@ def build_router(ctx: ServingContext, is_draining: Callable[[], bool], store: Re
     ]
     gate = BodyGate()
     for method, path, handler in routes:
+        if pooling.is_pooling and method == "POST" and path in GENERATION_PATHS:
+            handler = pooling_only(pooling.task)
         if ctx.limiter is not None and ctx.limiter.is_enabled and path.startswith("/v1/"):
             handler = ctx.limiter.with_headers(handler)
         if method == "POST":  # a body of megabytes waits for one of a few slots before it is parsed
             handler = gate.wrap(handler)
-        router.add(method, path, logged(handler, log_requests))  # the access line; errors are logged either way
+        handler = logged(handler, log_requests)  # the access line; errors are logged either way
+        if path.startswith(MESSAGES_PATH):  # Anthropic's API answers in Anthropic's error shape
+            handler = anthropic_errors(handler)
+        router.add(method, path, handler)
+    router.set_error_shape(MESSAGES_PATH, anthropic_error_response)  # the HTTP layer's refusals (401, 405, 413...)
     return router
 
 
@@ -99,6 +121,8 @@ class OpenAIServer:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
         self.defaults = generation_defaults(model_dir, self.tokenizer, server_config.generation_config)
+        # generate, embed or rerank: which routes answer (the core reads the same files for how it pools)
+        self.pooling = read_pooling_spec(model_dir, engine_config.runner, engine_config.pooling)
         # Named, not imported: the core (and torch) loads only in the core's thread or process.
         self.llm = AsyncLLM(CoreFactory(engine_config, server_config.log_level), self.tokenizer,
                             mode=server_config.engine_mode, max_pending=server_config.max_pending,
@@ -136,13 +160,18 @@ class OpenAIServer:
         info = self.llm.info or {}
         ctx = ServingContext(self.llm, self.tokenizer, self.model_name, info["max_model_len"],
                              info.get("vocab_size", self.tokenizer.vocab_size), self.defaults, self.chat_template,
-                             self.server_config.reasoning_parser, self.server_config.tool_call_parser,
+                             self.server_config.reasoning_parser,
+                             tool_call_parser_for(self.server_config.tool_call_parser, self.chat_template),
                              loras=dict(info.get("loras") or {}), limiter=self.limiter,
                              per_key_cache_salt=self.server_config.per_key_cache_salt,
-                             kv_cache=kv_capacity(info))
+                             kv_cache=kv_capacity(info),
+                             grammars=GrammarCache(self.tokenizer,
+                                                   compile_timeout_s=self.server_config.guided_compile_timeout_s,
+                                                   num_workers=self.server_config.guided_compile_workers))
         self.context = ctx
         self.http.set_router(build_router(ctx, lambda: self.http.is_draining, self.responses,
-                                          self.server_config.log_requests, self.server_config.engine_stall_timeout_s))
+                                          self.server_config.log_requests, self.server_config.engine_stall_timeout_s,
+                                          self.pooling))
         log.info("%s", startup_summary(self.engine_config, self.server_config, self.model_name, info, self.port))
         self._stats_task = asyncio.get_running_loop().create_task(StatsLogger(self.llm).run())
 

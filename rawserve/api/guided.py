@@ -1,5 +1,6 @@
 """Structured output fields -> one compiled grammar per request: response_format, forced tool calls,
-vLLM's guided_* and structured_outputs. Compiled in a worker process; a repeated grammar is a cache hit.
+vLLM's guided_* and structured_outputs. Compiled in worker processes under a deadline; a repeated grammar is a
+cache hit.
 
 Every bad schema, pattern or grammar is a 400 naming its field; the engine only ever sees grammars
 that compiled.
@@ -9,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import multiprocessing
 from collections import OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
-from rawserve.engine.guided.gbnf import check_grammar, parse_gbnf
+from rawserve.api.compile_workers import CallTimedOut, CompileWorkers, WorkerDied, WorkersBusy
+from rawserve.engine.guided.gbnf import parse_gbnf
 from rawserve.engine.guided.grammar import (Grammar, GrammarError, Ref, Repeat, Token, alt, byte_set, iter_tokens, lit,
                                             seq)
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
@@ -31,6 +30,9 @@ MAX_SPEC_CHARS = 256 * 1024  # a schema, pattern or grammar's text; larger ones 
 MAX_CHOICES = 4096
 CACHE_SIZE = 256
 MAX_CACHED_STATES = 2_000_000  # NFA states over all cached grammars (about 40 bytes each)
+# The largest grammars the limits allow (250,000 NFA states) compile in about a second on one busy core.
+COMPILE_TIMEOUT_S = 5.0
+COMPILE_WORKERS = 2
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -196,8 +198,7 @@ def _answer_grammar(spec: GuidedSpec, vocab: Vocabulary) -> Grammar:
     if spec.kind == "choice":
         return Grammar({"root": alt(*(lit(c) for c in json.loads(spec.text)))})
     if spec.kind == "grammar":
-        grammar = parse_gbnf(spec.text, added.get)
-        check_grammar(grammar)
+        grammar = parse_gbnf(spec.text, added.get)  # checked there (check_grammar)
         for node in grammar.rules.values():
             for token_id in iter_tokens(node):
                 if not 0 <= token_id < vocab.size:
@@ -214,29 +215,28 @@ def _answer_grammar(spec: GuidedSpec, vocab: Vocabulary) -> Grammar:
 class GrammarCache:
     """Compiled grammars by spec, least recently used dropped first. One per server.
 
-    Misses compile in one spawned worker process, not a thread: the compile is pure Python and holds the
-    GIL, and from a thread a 300-property schema stalled every stream for half a second. The work is
-    bounded (the JSON Schema front end's node limit, MAX_NFA_STATES), so no compile runs away.
+    Misses compile in spawned worker processes, not a thread: the compile is pure Python and holds the GIL,
+    and from a thread a 300-property schema stalled every stream for half a second. The front ends refuse a
+    grammar over their limits as they build it (in well under a second); what is left runs under a deadline
+    (`compile_timeout_s`), past which its process is killed and replaced. Two processes by default, so one slow
+    compile does not hold up the others, and requests for a grammar already compiling wait for that compile.
     """
 
-    def __init__(self, tokenizer: Tokenizer, capacity: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Tokenizer, capacity: int = CACHE_SIZE, *,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S, num_workers: int = COMPILE_WORKERS) -> None:
         self.vocab = vocabulary_of(tokenizer)
         self.capacity = capacity
+        self.compile_timeout_s = compile_timeout_s
         self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()
-        self._pool: ProcessPoolExecutor | None = None
+        self._compiling: dict[str, asyncio.Task] = {}
+        self.workers = CompileWorkers(compile_spec, num_workers, compile_timeout_s)
         self.hits = self.misses = 0
 
     def close(self) -> None:
-        """Stop the compile worker and wait for it to exit (a compile is bounded, so this is short); a later
-        miss starts a new one."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def _worker(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        return self._pool
+        """Stop the compile workers (a compile in progress fails); a later miss starts new ones."""
+        for task in self._compiling.values():
+            task.cancel()
+        self.workers.close()
 
     async def get(self, spec: GuidedSpec) -> CompiledGrammar:
         compiled = self._compiled.get(spec.key)
@@ -244,22 +244,45 @@ class GrammarCache:
             self.hits += 1
             self._compiled.move_to_end(spec.key)
             return compiled
-        self.misses += 1
-        try:  # in the worker even when short: `.{0,9999}` is short text and a large automaton
-            compiled = await asyncio.get_running_loop().run_in_executor(self._worker(), compile_spec, spec,
-                                                                        self.vocab)
-        except BrokenProcessPool:  # the worker died (killed, out of memory): the next miss starts another
-            self._pool = None
-            raise APIError(500, f"Compiling {spec.param} failed: the compile worker died.",
-                           code="internal_error") from None
-        except GrammarError as error:
+        task = self._compiling.get(spec.key)
+        if task is None:
+            self.misses += 1
+            task = asyncio.get_running_loop().create_task(self._compile(spec))
+            self._compiling[spec.key] = task
+            task.add_done_callback(lambda t, key=spec.key: self._compile_done(key, t))
+        try:  # shielded: a client that leaves does not cancel a compile others may be waiting for
+            return await asyncio.shield(task)
+        except GrammarError as error:  # each waiter names its own field: the key does not include it
             param = error.param or spec.param
             raise APIError(400, f"Invalid {param}: {error}", param=param) from None
         except RecursionError:
             raise APIError(400, f"Invalid {spec.param}: it is nested too deeply.", param=spec.param) from None
+        except CallTimedOut:
+            # A 400, not a 503: the deadline counts the compile alone (not the wait for a worker), so the same
+            # grammar would run out of time again, and SDKs that retry 5xx (openai's does, twice) would only
+            # repeat the work. vLLM and OpenAI answer a grammar too complex to build with a 400 as well.
+            raise APIError(400, f"Invalid {spec.param}: it did not compile within {self.compile_timeout_s:g} s "
+                                "and was stopped; make it smaller (fewer alternatives, properties or enum "
+                                "values, lower repeat counts or lengths).", param=spec.param) from None
+        except WorkersBusy as error:  # overload: worth a retry later
+            raise APIError(503, f"The server is overloaded: grammar compiles are queued ({error}).",
+                           code="overloaded") from None
+        except WorkerDied as error:
+            raise APIError(500, f"Compiling {spec.param} failed: the compile worker died ({error}).",
+                           code="internal_error") from None
+
+    async def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
+        # In a worker even when short: `.{0,9999}` is short text and a large automaton.
+        compiled = await self.workers.run(spec, self.vocab)
         self._compiled[spec.key] = compiled
         # Counted on each miss rather than kept beside the cache (at most `capacity` grammars to add up).
         while len(self._compiled) > 1 and (len(self._compiled) > self.capacity or sum(
                 c.num_states for c in self._compiled.values()) > MAX_CACHED_STATES):
             self._compiled.popitem(last=False)
         return compiled
+
+    def _compile_done(self, key: str, task: asyncio.Task) -> None:
+        if self._compiling.get(key) is task:
+            del self._compiling[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: its waiters have it, or none is left to care

@@ -4,7 +4,10 @@ named tool calls streamed and not, GBNF, regex and choice; bad constraints get a
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import pytest
@@ -199,8 +202,6 @@ def test_a_bad_schema_does_not_disturb_a_running_stream(client, server):
 
 
 def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(qwen3_real_tokenizer_dir):
-    import multiprocessing
-
     srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
                                     max_model_len=512),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[]))
@@ -217,3 +218,56 @@ def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(qwen3_r
     for p in workers:
         p.join(30)
         assert not p.is_alive()
+
+
+def post_timed(server, path: str, body: dict) -> tuple[int, dict, float]:
+    start = time.monotonic()
+    status, data = raw(server, "POST", path, json.dumps(body).encode(), "content-type: application/json\r\n")
+    return status, json.loads(data), time.monotonic() - start
+
+
+def test_a_20000_branch_pattern_is_refused_at_once_and_holds_up_no_other_compile(server):
+    # 200 KB of pattern: it compiled for 48 s before its refusal, and every other new grammar waited behind it.
+    big = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "guided_json": {
+        "type": "string", "pattern": "|".join(f"word{i:05d}" for i in range(20_000))}}
+    small = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[xy]{3}"}
+    with ThreadPoolExecutor(2) as pool:  # both compile workers started, so start-up is not what is timed
+        warm = [pool.submit(post_timed, server, "/v1/completions", {**small, "guided_regex": f"[ab]{{{n}}}"})
+                for n in (1, 2)]
+        assert [f.result()[0] for f in warm] == [200, 200]
+        refused = pool.submit(post_timed, server, "/v1/chat/completions", big)
+        time.sleep(0.1)
+        status, reply, took_s = post_timed(server, "/v1/completions", small)
+        assert status == 200 and re.fullmatch("[xy]{3}", reply["choices"][0]["text"]) and took_s < 10, took_s
+        status, reply, took_s = refused.result()
+    assert status == 400 and took_s < 10, (took_s, reply)
+    assert reply["error"]["param"] == "guided_json" and "grammar nodes" in reply["error"]["message"]
+    assert len(reply["error"]["message"]) < 1000
+    status, reply, _ = post_timed(server, "/v1/completions", {**small, "guided_regex": "(yes|no)!"})
+    assert status == 200 and reply["choices"][0]["text"] in ("yes!", "no!")
+
+
+def compile_workers() -> set[int]:
+    return {p.pid for p in multiprocessing.active_children() if p.name == "rawserve-compile"}
+
+
+def test_a_compile_past_its_deadline_is_a_400_and_its_worker_is_replaced(qwen3_real_tokenizer_dir):
+    srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
+                                    max_model_len=512),
+                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[],
+                                    guided_compile_timeout_s=0.3, guided_compile_workers=1))
+    try:
+        small = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[ab]{4}"}
+        assert post_timed(srv, "/v1/completions", small)[0] == 200
+        before = compile_workers()
+        # Within every limit (249,977 automaton states), and about a second of compiling: past the deadline.
+        slow = {**small, "guided_regex": "[一丂丄丆丈三上下丐丒专且]{0,9999}"}
+        status, reply, took_s = post_timed(srv, "/v1/completions", slow)
+        assert status == 400 and reply["error"]["param"] == "guided_regex", reply
+        assert "did not compile within 0.3 s" in reply["error"]["message"] and took_s < 10
+        after = compile_workers()  # (the module's server has its own workers, in this process too)
+        assert len(before - after) == 1 and len(after - before) == 1  # killed, and another started in its place
+        status, reply, _ = post_timed(srv, "/v1/completions", {**small, "guided_regex": "[cd]{4}"})
+        assert status == 200 and re.fullmatch("[cd]{4}", reply["choices"][0]["text"])
+    finally:
+        srv.stop()

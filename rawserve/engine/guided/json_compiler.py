@@ -8,7 +8,7 @@ import math
 import re
 from urllib.parse import unquote
 
-from .grammar import (EMPTY, Alt, Bytes, Grammar, GrammarError, Node, Ref, Repeat, accepts, alt, lit,
+from .grammar import (EMPTY, Alt, Bytes, Grammar, GrammarError, Node, Ref, Repeat, Seq, accepts, alt, lit,
                       optional, seq)
 from .json_formats import FORMATS
 from .json_keywords import (ANNOTATIONS, CONSTRAINTS, count_keyword, json_equal, json_type, merge_schemas,
@@ -18,20 +18,16 @@ from .json_strings import CHAR, STRING, chars, escape_content, fit_length, key_e
 
 MAX_SCHEMA_DEPTH = 64
 MAX_GRAMMAR_NODES = 10_000  # distinct IR nodes one schema may add; also caps subschema visits
+# Nodes made while compiling, counted as they are made: past this the compile stops at once. Above the final
+# limit because some made nodes are folded away before the end (a sequence flattened into its parent).
+MAX_BUILT_NODES = 2 * MAX_GRAMMAR_NODES
 MAX_INDENT = 20  # "pretty": spaces/tabs after a newline
 _NULL = lit("null")
 
 
 def _alt_many(nodes: list[Node]) -> Node | None:
-    """alt() for long lists (enum values, anyOf branches, object openers): dedupe by hash, not by the
-    pairwise scan alt() does, which took 40 s for a 20,000-value enum. None when empty."""
-    flat: dict[Node, None] = {}
-    for node in nodes:
-        for part in (node.items if isinstance(node, Alt) else (node,)):
-            flat[part] = None
-    if not flat:
-        return None
-    return next(iter(flat)) if len(flat) == 1 else Alt(tuple(flat))
+    """alt() for a list that may be empty (enum values, anyOf branches, object openers): None when it is."""
+    return alt(*nodes) if nodes else None
 
 
 class SchemaCompiler:
@@ -50,15 +46,41 @@ class SchemaCompiler:
         self.comma = seq(lit(","), sep)
         self.colon = seq(lit(":"), sep)
         self.taken: set[str] = set()
+        self.next_suffix: dict[str, int] = {}
         self.ref_rules: dict[str, str] = {}  # JSON pointer -> rule name
         self.head: set[str] = set()  # pointers entered since the last `{` or `[`: a $ref back to one loops
         self.any_value = self.any_object = ""
         self.num_visits = 0
+        self.num_built = 0
+        self._counted: set[int] = set()  # ids of the nodes in num_built
+
+    def charge(self, node: Node) -> Node:
+        """Count the nodes under `node` not counted yet; a GrammarError once past MAX_BUILT_NODES. Each node is
+        walked once, so counting is linear in what is built."""
+        counted = self._counted
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if id(n) in counted:
+                continue
+            counted.add(id(n))
+            self.num_built += 1
+            if isinstance(n, (Seq, Alt)):
+                stack.extend(n.items)
+            elif isinstance(n, Repeat):
+                stack.append(n.item)
+        if self.num_built > MAX_BUILT_NODES:
+            raise GrammarError(f"the schema compiles to more than {MAX_GRAMMAR_NODES:,} grammar nodes "
+                               f"(the limit); stopped at {self.num_built:,}")
+        return node
 
     def fresh(self, base: str) -> str:
-        name, n = self.prefix + base, 2
+        # Numbering resumes where this base last stopped: scanning from 2 each time was quadratic (1.4 s for
+        # the 6,000 member/tail rules of a 3,000-property object).
+        name, n = self.prefix + base, self.next_suffix.get(base, 2)
         while name in self.rules or name in self.taken:
             name, n = f"{self.prefix}{base}_{n}", n + 1
+        self.next_suffix[base] = n
         self.taken.add(name)
         return name
 
@@ -67,7 +89,7 @@ class SchemaCompiler:
         if isinstance(node, (Bytes, Ref)):
             return node
         name = self.fresh(base)
-        self.rules[name] = node
+        self.rules[name] = self.charge(node)
         return Ref(name)
 
     def wrap(self, open_: str, body: Node | None, allow_empty: bool, close: str) -> Node | None:
@@ -114,7 +136,7 @@ class SchemaCompiler:
         node = self.constraints(c, path, depth)
         if nullable:
             node = _NULL if node is None else alt(node, _NULL)
-        return node
+        return node if node is None else self.charge(node)
 
     def constraints(self, c: dict, path: str, depth: int) -> Node | None:
         if "$ref" in c:
@@ -189,7 +211,7 @@ class SchemaCompiler:
             self.head.discard(pointer)
         if node is None:
             raise GrammarError(f"the schema at {pointer} (referenced at {path}) matches no JSON value")
-        self.rules[name] = node
+        self.rules[name] = self.charge(node)
         return Ref(name)
 
     def enum(self, c: dict, path: str, depth: int) -> Node | None:
@@ -219,7 +241,7 @@ class SchemaCompiler:
             check.rules[start] = node
             grammar = Grammar(check.rules, start)
             values = [v for v in values if _fits(grammar, v)]
-        return _alt_many([self.literal(v, path, depth) for v in values])
+        return _alt_many([self.charge(self.literal(v, path, depth)) for v in values])
 
     def literal(self, value: object, path: str, depth: int) -> Node:
         """The JSON text of `value` under this whitespace policy (enum/const)."""
@@ -380,7 +402,9 @@ class SchemaCompiler:
             if not isinstance(c["pattern"], str):
                 raise GrammarError(f"'pattern' at {path} must be a string")
             try:
-                content = parse_regex(c["pattern"])
+                # Every node of the pattern lands in the schema's grammar, so the pattern alone gets the
+                # schema's limit: a 20,000-branch pattern stops after half its branches, not at its end.
+                content = parse_regex(c["pattern"], max_nodes=MAX_GRAMMAR_NODES)
             except GrammarError as e:
                 raise GrammarError(f"{e} (at {path}/pattern)") from e
             content = escape_content(fit_length(content, lo, hi, f"{path}/pattern"), path)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from .grammar import (EMPTY, Bytes, GrammarError, Node, Repeat, alt, codepoint_ranges,
-                      complement_codepoints, lit, seq)
+from .grammar import (EMPTY, Bytes, GrammarError, Node, Repeat, Seq, alt, codepoint_ranges,
+                      complement_codepoints, iter_nodes, lit, seq)
 
 MAX_REPEAT = 10_000  # a bound above this unrolls into an automaton too large to build per request
 
@@ -37,24 +37,35 @@ _INLINE_FLAGS = re.compile(r"\(\?[a-zA-Z]*(?:-[a-zA-Z]*)?[:)]")
 _FINITE = "guided decoding needs a pattern a finite automaton can match"
 
 
-def parse_regex(pattern: str) -> Node:
+def parse_regex(pattern: str, max_nodes: int | None = None) -> Node:
     """Compile `pattern` to a Node matching exactly the strings the pattern fully matches.
 
     `^` / `\\A` at the start and `$` / `\\z` / `\\Z` at the end of a top-level branch are accepted and
     dropped (the match is whole-output anyway); anywhere else they are refused. Lazy quantifiers
-    match the same language as greedy ones.
+    match the same language as greedy ones. With `max_nodes`, parsing stops with a GrammarError as soon as it
+    has made more IR nodes than that (a JSON Schema's budget), instead of finishing a 20,000-branch pattern first.
     """
-    return _Parser(pattern).parse()
+    return _Parser(pattern, max_nodes).parse()
 
 
 class _Parser:
-    def __init__(self, src: str) -> None:
+    def __init__(self, src: str, max_nodes: int | None = None) -> None:
         self.src = src
         self.pos = 0
+        self.max_nodes = max_nodes
+        self.num_nodes = 0  # nodes made so far; shared constants (\\d, `.`) count nothing
+
+    def charge(self, node: Node, count: int) -> Node:
+        self.num_nodes += count
+        if self.max_nodes is not None and self.num_nodes > self.max_nodes:
+            raise self.fail(f"the pattern makes more than {self.max_nodes:,} grammar nodes")
+        return node
 
     def fail(self, message: str, pos: int | None = None) -> GrammarError:
         at = self.pos if pos is None else pos
-        return GrammarError(f"regex {self.src!r}, position {at}: {message}")
+        # A long pattern is quoted by its start only: the message goes back in a 400, and echoing 190 KB helps no one.
+        shown = repr(self.src) if len(self.src) <= 200 else f"{self.src[:200]!r}... ({len(self.src):,} characters)"
+        return GrammarError(f"regex {shown}, position {at}: {message}")
 
     def refuse(self, construct: str, pos: int, why: str = _FINITE) -> GrammarError:
         return self.fail(f"{construct} is not supported ({why})", pos)
@@ -76,7 +87,8 @@ class _Parser:
         while self.peek() == "|":
             self.pos += 1
             branches.append(self.sequence(depth))
-        return alt(*branches)
+        node = alt(*branches)
+        return self.charge(node, 1) if len(branches) > 1 else node
 
     def sequence(self, depth: int) -> Node:
         items: list[Node] = []
@@ -87,7 +99,12 @@ class _Parser:
             if atom is None:  # an anchor or a comment group: nothing to match, nothing to quantify
                 continue
             items.append(self.quantified(atom))
-        return seq(*items)
+        node = seq(*items)
+        # Counts the literals the sequence holds and the Seq itself; other items were counted where they were
+        # made. An estimate of the final size (a literal group may be counted twice), used only as a budget.
+        if isinstance(node, Seq):
+            return self.charge(node, 1 + sum(isinstance(item, Bytes) for item in node.items))
+        return self.charge(node, 1) if isinstance(node, Bytes) and node.data else node
 
     def quantifier_here(self) -> bool:
         c = self.peek()
@@ -133,7 +150,8 @@ class _Parser:
             self.pos += 1
         if self.quantifier_here():
             raise self.fail(f"quantifier {self.peek()!r} follows another quantifier (multiple repeat)")
-        return _repeat(atom, lo, hi)
+        node = _repeat(atom, lo, hi)
+        return self.charge(node, 1) if isinstance(node, Repeat) else node
 
     def atom(self, depth: int, at_branch_start: bool) -> Node | None:
         c = self.peek()
@@ -355,9 +373,10 @@ class _Parser:
         if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
             return lit(chr(ranges[0][0]))
         try:
-            return codepoint_ranges(ranges)
+            node = codepoint_ranges(ranges)
         except GrammarError:
             raise self.fail("character class matches no character", start) from None
+        return self.charge(node, sum(1 for _ in iter_nodes(node)))
 
 
 def _repeat(atom: Node, lo: int, hi: int | None) -> Node:
