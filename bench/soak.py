@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from bench import hostile
 from bench.client import Outcome, call, get_json, request_bytes, send_raw
 
 SERVER_FLAGS = ["--max-model-len", "1024", "--num-kv-blocks", "2048", "--write-timeout-s", "5",
@@ -100,8 +101,11 @@ class Child:
 
 # ----- the traffic ------------------------------------------------------------------------------------------
 
-def malformed(rng: random.Random, host: str) -> tuple[bytes, tuple[int, ...]]:
-    """A bad request and the statuses it may get (never a 5xx)."""
+def malformed(rng: random.Random, host: str, model: str) -> tuple[bytes, tuple[int, ...]]:
+    """A bad request and the statuses it may get (never a 5xx): half the time one of the hostile run's cases."""
+    if rng.random() < 0.5:
+        case = rng.choice(hostile.CASES)
+        return case.build(host, model), case.allowed
     choice = rng.randrange(7)
     if choice == 0:
         return request_bytes(host, "/v1/chat/completions", b'{"messages": [oops'), (400,)
@@ -152,7 +156,7 @@ async def one_client(host: str, port: int, rng: random.Random, tally: Tally, mod
         await call(host, port, path, body, read_delay_s=0.2)
     elif roll < 0.30:
         tally.add("malformed")
-        data, allowed = malformed(rng, host)
+        data, allowed = malformed(rng, host, model)
         status = await send_raw(host, port, data)
         if status not in allowed:
             tally.bad_status[str(status)] = tally.bad_status.get(str(status), 0) + 1
@@ -187,10 +191,11 @@ async def metrics(host: str, port: int) -> dict[str, float]:
     return values
 
 
-async def soak(child: Child, seconds: float, concurrency: int, seed: int) -> dict:
+async def soak(child: Child, seconds: float, concurrency: int, seed: int, catalog_first: bool = False) -> dict:
     host, port = "127.0.0.1", child.port
     _, models = await get_json(host, port, "/v1/models")
     model = models["data"][0]["id"]
+    catalog_failures = await hostile.run_catalog(host, port, model) if catalog_first else []
     rng = random.Random(seed)
     tally = Tally()
     # Warm up, then take the baselines at rest.
@@ -240,25 +245,28 @@ async def soak(child: Child, seconds: float, concurrency: int, seed: int) -> dic
         "usage_equals_tokens_received": not tally.usage_mismatches,
         "malformed_never_5xx": not tally.bad_status,
         "normal_requests_completed": tally.normal_ok > 0 and not tally.normal_failed,
+        "hostile_catalog_held": not catalog_failures,
     }
     return {"bench": "soak", "seconds": round(elapsed, 1), "concurrency": concurrency, "passed": all(checks.values()),
             "checks": checks, "clients": tally.kinds, "normal_ok": tally.normal_ok,
-            "normal_failed": tally.normal_failed, "tokens_received": tally.tokens,
+            "normal_failed": tally.normal_failed, "catalog_failures": catalog_failures, "tokens_received": tally.tokens,
             "output_tok_s": round(tally.tokens / elapsed, 1), "usage_mismatches": tally.usage_mismatches[:5],
             "bad_statuses": tally.bad_status, "tasks": {"baseline": baseline_tasks, "end": end_tasks},
             "rss_mib": {"start": rss[0][1], "half": half[0] if half else None, "end": rss[-1][1],
                         "growth_second_half": round(growth, 4)}, "final_metrics": final}
 
 
-def run(seconds: float, concurrency: int, model_dir: str | None = None, seed: int = 0) -> dict:
-    """Start the server child, soak it, stop it; the result (with `passed` and `exit_status`)."""
+def run(seconds: float, concurrency: int, model_dir: str | None = None, seed: int = 0,
+        catalog_first: bool = False) -> dict:
+    """Start the server child, soak it, stop it; the result (with `passed` and `exit_status`). catalog_first:
+    fire bench.hostile's catalog once before the load (its failures fail the run)."""
     if model_dir is None:
         from rawserve.demo_model import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
     child = Child(model_dir)
     try:
-        result = asyncio.run(soak(child, seconds, concurrency, seed))
+        result = asyncio.run(soak(child, seconds, concurrency, seed, catalog_first))
     finally:
         status = child.stop()
     result["exit_status"] = status
