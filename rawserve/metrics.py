@@ -89,6 +89,12 @@ SPECS: dict[str, MetricSpec] = {
     "kv_cache_capacity_tokens": MetricSpec("gauge", "Tokens the KV cache pool holds.", vllm=False),
     "engine_threads": MetricSpec("gauge", "The engine core's intra-op (OpenMP) threads now: fewer while other "
                                           "processes keep CPUs busy (auto on a CPU); 0 when not reported.", vllm=False),
+    "pooling_requests_total": MetricSpec("counter", "Embedding and rerank requests answered, by task.",
+                                         label="task", label_values=("embed", "rerank"), vllm=False),
+    "pooling_inputs_total": MetricSpec("counter", "Inputs pooled (texts embedded, documents scored), by task.",
+                                       label="task", label_values=("embed", "rerank"), vllm=False),
+    "pooling_request_latency_seconds": MetricSpec("histogram", "Time from arrival to the answer of an embedding "
+                                                               "or rerank request.", REQUEST_BUCKETS, vllm=False),
 }
 CACHE_CONFIG_INFO = "cache_config_info"  # a gauge fixed at 1, its value in labels (vLLM's Info emulation)
 

@@ -32,9 +32,10 @@ def _capacity(ctx: ServingContext) -> dict:
             "kv_cache_bytes": ctx.kv_cache.get("bytes")}
 
 
-def model_card(ctx: ServingContext) -> dict:
+def model_card(ctx: ServingContext, task: str = "generate") -> dict:
+    """`task`: what the model serves (generate, embed, rerank), as vLLM's runner and task."""
     return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "rawserve",
-            "root": ctx.model_name, "parent": None, **_capacity(ctx)}
+            "root": ctx.model_name, "parent": None, "task": task, **_capacity(ctx)}
 
 
 def lora_card(ctx: ServingContext, name: str) -> dict:
@@ -43,14 +44,14 @@ def lora_card(ctx: ServingContext, name: str) -> dict:
             "root": ctx.loras[name], "parent": ctx.model_name, **_capacity(ctx)}
 
 
-async def list_models(ctx: ServingContext, request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [model_card(ctx), *(lora_card(ctx, n) for n in ctx.loras)]})
+async def list_models(ctx: ServingContext, request: Request, *, task: str = "generate") -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [model_card(ctx, task), *(lora_card(ctx, n) for n in ctx.loras)]})
 
 
-async def retrieve_model(ctx: ServingContext, request: Request) -> JSONResponse:
+async def retrieve_model(ctx: ServingContext, request: Request, *, task: str = "generate") -> JSONResponse:
     model = request.path_params["model"]
     ctx.check_model(model)
-    return JSONResponse(lora_card(ctx, model) if model in ctx.loras else model_card(ctx))
+    return JSONResponse(lora_card(ctx, model) if model in ctx.loras else model_card(ctx, task))
 
 
 def _check_runtime_updates(ctx: ServingContext, request: Request) -> None:

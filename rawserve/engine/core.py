@@ -19,10 +19,12 @@ from rawserve.engine.guided.vocab import is_vocab_index_cached, load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.lora_registry import LoraRegistry
 from rawserve.engine.model_runner import ModelRunner
+from rawserve.engine.pooling import PoolingSpec, read_pooling_spec
 from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
 from rawserve.engine.sampler import Sampler, rows_logprobs
 from rawserve.engine.scheduler import Scheduler
+from rawserve.engine.state_cache import StateCacheManager
 from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.thread_governor import ThreadGovernor
 from rawserve.engine.types import EngineStats, RequestOutput, SamplingParams
@@ -43,15 +45,32 @@ class EngineCore:
         self.config = config
         self.threads: ThreadPlan | None = None  # set by make_engine_core, which sized torch's threads
         self.governor: ThreadGovernor | None = None  # make_engine_core's, for an auto-sized CPU engine
+        # What the checkpoint serves (engine/pooling.py): an encoder gets its own runner (models/bert.py), which
+        # keeps no KV cache, so its requests run whole in one step and never hit the prefix cache.
+        self.pooling: PoolingSpec = (read_pooling_spec(config.model_dir, config.runner, config.pooling)
+                                     if config.model_dir is not None else PoolingSpec("generate"))
+        if runner is None and self.pooling.is_encoder:
+            from rawserve.engine.models.bert import EncoderRunner
+
+            runner = EncoderRunner(config, self.pooling)
         self.runner = runner if runner is not None else ModelRunner(config)
+        is_encoder = self.pooling.is_encoder
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
         self.block_size: int = self.runner.block_size
         self.eos_token_ids: tuple[int, ...] = tuple(self.runner.eos_token_ids)
-        self.blocks = KVCacheManager(self.runner.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.blocks = KVCacheManager(self.runner.num_blocks, self.block_size,
+                                     config.enable_prefix_caching and not is_encoder)
+        # A hybrid model's per-sequence states (Qwen3.5): slots beside the KV blocks, sized by the runner's plan
+        self.states: StateCacheManager | None = None
+        plan = getattr(self.runner, "kv_plan", None)
+        if plan is not None and plan.num_state_slots:
+            self.states = StateCacheManager(plan.num_state_slots, plan.num_saved_states, self.block_size)
+            self.blocks.on_evict = self.states.forget
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_loras=config.max_loras if config.lora_enabled else 0)
+                                   max_loras=config.max_loras if config.lora_enabled else 0,
+                                   whole_prompts=is_encoder, states=self.states)
         # the adapters requests may name, their users and run-time loads (the scheduler's LoraSlots place them)
         self.loras = LoraRegistry(config, self.runner.model_config, self.scheduler,
                                   is_enabled=self.runner.lora is not None)
@@ -66,7 +85,10 @@ class EngineCore:
         # without a tokenizer gets none; its guided requests are refused.
         self._guided: GuidedRegistry | None = None
         self._guided_dir: pathlib.Path | None = None
-        if config.model_dir is not None and (pathlib.Path(config.model_dir) / "tokenizer.json").is_file():
+        # pooling requests' hidden-state sums so far (mean pooling spans several chunks), by rid
+        self._pooled: dict[str, torch.Tensor] = {}
+        if (config.model_dir is not None and not self.pooling.is_pooling
+                and (pathlib.Path(config.model_dir) / "tokenizer.json").is_file()):
             self._guided_dir = pathlib.Path(config.model_dir)
             if not is_vocab_index_cached(self._guided_dir, self.vocab_size):
                 index = load_vocab_index(self._guided_dir, self.vocab_size)
@@ -125,12 +147,16 @@ class EngineCore:
         if needed > self.blocks.num_blocks:
             raise ValueError(f"max_tokens: at full length ({total} tokens) the request needs {needed} KV blocks "
                              f"of {self.block_size} tokens; the pool holds only {self.blocks.num_blocks}")
+        if params.pooling is not None or self.pooling.is_encoder:
+            self._check_pooling(prompt_ids, params)
         lora_load = self.loras.load_id(lora) if lora is not None else 0
         req = Request(rid, list(prompt_ids), params, priority=priority, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt,
                       lora_load=lora_load)
         if params.guided is not None:
             req.guided = self.guided_registry().state_for(params.guided)
+        if params.pooling is not None and params.pooling.method != "last":
+            req.is_cacheable = False  # a cached prefix would skip hidden states mean or cls pooling needs
         if self.blocks.enable_prefix_caching and req.is_cacheable:
             req.update_block_hashes(self.block_size)
         self.requests[rid] = req
@@ -146,6 +172,7 @@ class EngineCore:
             return None
         self.scheduler.finish(req, "abort")
         self.sampler.release(req)
+        self._pooled.pop(rid, None)
         self._request_done(req)
         self._release_if_idle()
         return RequestOutput(rid, [], finished=True, finish_reason="abort",
@@ -160,7 +187,7 @@ class EngineCore:
             prefix_cache_queries=blocks.prefix_cache_queries, prefix_cache_hits=blocks.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
             num_threads=self._num_threads(),
-            extra=self.loras.stats())
+            extra={**self.loras.stats(), **(self.states.stats() if self.states is not None else {})})
 
     def _num_threads(self) -> int:
         if self.governor is not None:
@@ -187,7 +214,13 @@ class EngineCore:
             for slot, name in lora_slots.take_loads():
                 self.runner.lora.load(slot, self.loras[name])
         plan = StepPlan(scheduled)  # the batch's rows: which sample, which carry prompt logprobs
-        logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
+        if self.states is not None:  # prefix hits' saved states into their new slots, before the forward reads them
+            self.runner.copy_states(self.states.take_copies())
+        if plan.pool_reqs:
+            logits, pooled = self.runner.execute_pooling(plan.batch)
+            self._add_pooled(plan, pooled)
+        else:
+            logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
         self._commit_forward(plan)
         if plan.prompt_spans:
             self._collect_prompt_logprobs(logits, plan.prompt_spans)
@@ -238,27 +271,77 @@ class EngineCore:
         return self.runner.release_idle_kv(*self.blocks.compact(self.runner.idle_cached_blocks))
 
     def _finish_scored(self, req: Request) -> RequestOutput:
-        """A max_tokens 0 request whose prompt is now computed: it ends at "length" with no token sampled."""
+        """A max_tokens 0 request whose prompt is now computed: it ends at "length" with no token sampled (a
+        pooling request with its vector)."""
         del self.requests[req.rid]
         self.scheduler.finish(req, "length")
         self.sampler.release(req)
         if req.lora is not None:
             self._request_done(req)
+        pooled = self._pooled_vector(req) if req.params.pooling is not None else None
         return RequestOutput(req.rid, [], finished=True, finish_reason="length", prompt_logprobs=req.prompt_logprobs,
                              num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=0,
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.num_cached_tokens, pooled=pooled)
+
+    def _check_pooling(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """A pooling request this runner can answer (ValueError, failing it alone, otherwise)."""
+        pooling = params.pooling
+        if pooling is None:
+            raise ValueError("this encoder model only pools (embeddings or rerank scores); it cannot generate")
+        width = len(pooling.logit_ids) if pooling.logit_ids else self.runner.pooled_size
+        if pooling.dimensions is not None and pooling.dimensions > width:
+            raise ValueError(f"dimensions: {pooling.dimensions} is more than the model's {width}")
+        if pooling.logit_ids:
+            if self.pooling.is_encoder:
+                raise ValueError("pooling: logit_ids need a language-model head; an encoder has none")
+            if max(pooling.logit_ids) >= self.vocab_size:
+                raise ValueError(f"pooling: logit_ids must be below the vocabulary size {self.vocab_size}")
+        if self.pooling.is_encoder and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: an encoder has no language-model head")
+        if self.pooling.is_encoder and len(prompt_ids) > self.scheduler.max_num_batched_tokens:
+            # An encoder request runs whole in one step (no KV cache to carry a chunk over)
+            raise ValueError(f"the input is {len(prompt_ids)} tokens; an encoder runs it in one step of at most "
+                             f"{self.scheduler.max_num_batched_tokens} (--max-num-batched-tokens)")
+
+    def _add_pooled(self, plan: StepPlan, pooled: torch.Tensor) -> None:
+        """Keep each pooling request's sum of hidden states (a chunk that starts at 0 starts it afresh: a preempted
+        request computes its prompt again)."""
+        sums = self._pooled
+        for i, (req, start) in enumerate(plan.pool_reqs):
+            prior = sums.get(req.rid) if start > 0 else None
+            sums[req.rid] = pooled[i] if prior is None else prior + pooled[i]
+
+    def _pooled_vector(self, req: Request) -> list[float]:
+        """The request's vector: its pooled hidden state (mean: over its tokens), or the logits of its logit_ids
+        there, cut to `dimensions` and then L2-normalised when asked."""
+        pooling = req.params.pooling
+        vector = self._pooled.pop(req.rid)  # [hidden] float32
+        if pooling.method == "mean":
+            vector = vector / req.num_prompt_tokens
+        if pooling.logit_ids:
+            vector = self.runner.logits_of(vector.unsqueeze(0), list(pooling.logit_ids))[0]
+        if pooling.dimensions is not None:
+            vector = vector[:pooling.dimensions]
+        if pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
 
     def _commit_forward(self, plan: StepPlan) -> None:
         """The forward wrote the KV of every scheduled token: count them computed, and publish the blocks they
         filled to the prefix cache (before _update may finish a request and free its blocks)."""
         blocks = self.blocks
         caching = blocks.enable_prefix_caching
+        states = self.states if caching else None
         for req, num_new in plan.scheduled:
             num_computed = req.num_computed_tokens + num_new
             req.num_computed_tokens = num_computed
             if caching and req.is_cacheable:
                 req.num_published_blocks = blocks.publish_full_blocks(
                     req.block_ids, req.block_hashes, req.num_published_blocks, num_computed)
+                if states is not None:  # a hybrid's state at a block edge, saved beside that block
+                    states.save(req, is_decode=num_computed > req.num_prompt_tokens)
+        if states is not None:
+            self.runner.copy_states(states.take_copies())
 
     def _process_logits(self, plan: StepPlan, logits: torch.Tensor, failures: list[tuple[Request, str, Exception]]
                         ) -> tuple[torch.Tensor, list[Request]]:

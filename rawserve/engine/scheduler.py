@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.request import Request, RequestStatus
+from rawserve.engine.state_cache import StateCacheManager
 
 
 class LoraSlots:
@@ -74,7 +75,8 @@ class Scheduler:
     """
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.monotonic, max_loras: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_loras: int = 0, whole_prompts: bool = False,
+                 states: StateCacheManager | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -93,6 +95,12 @@ class Scheduler:
         self._queue_times: list[tuple[str, float]] = []
         self._has_finished_running = False  # running holds finished requests to drop at the next step
         self.lora_slots = LoraSlots(max_loras) if max_loras else None
+        # An encoder's requests (no KV cache to carry a chunk over) are never split: one that does not fit this
+        # step's budget waits for the next (EngineCore refuses one longer than a whole step)
+        self.whole_prompts = whole_prompts
+        # A hybrid model's state slots: a running request holds one, so admission also waits for a free slot; a
+        # prefix hit is cut to the longest prefix with a saved state, and prompts are cut at their save edge.
+        self.states = states
 
     @property
     def num_waiting(self) -> int:
@@ -128,6 +136,8 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.kv.free(req.block_ids)
+        if self.states is not None:
+            self.states.release(req)
 
     def take_queue_times(self) -> list[tuple[str, float]]:
         """(rid, seconds from queued to first scheduled) for each request the last schedule() admitted for
@@ -152,6 +162,8 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.block_ids)
         self._release_lora(req)
+        if self.states is not None:
+            self.states.release(req)  # recomputed from its first token, or from a saved state, on resuming
         req.num_computed_tokens = 0
         req.num_published_blocks = 0
         if not req.prompt_logprobs_done:
@@ -164,6 +176,7 @@ class Scheduler:
         if self._has_finished_running:
             self._drop_finished()
         kv = self.kv
+        states = self.states
         budget = self.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
@@ -181,6 +194,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if states is not None:
+                num_new = states.chunk_limit(req, req.num_computed_tokens, num_new)
             while not kv.allocate(req.block_ids, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -200,7 +215,8 @@ class Scheduler:
             bs = kv.block_size
             lora_slots = self.lora_slots
             parked = []  # requests whose adapter has no free slot: they wait, the others go on
-            while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (waiting and budget > 0 and len(self.running) < self.max_num_seqs
+                   and (states is None or states.has_free_slot)):
                 req = waiting[0][3]
                 if req.lora is not None:
                     slot = lora_slots.acquire(req.lora) if lora_slots is not None else -1
@@ -212,12 +228,21 @@ class Scheduler:
                 use_cache = kv.enable_prefix_caching and req.prompt_logprobs_done and req.is_cacheable
                 # At least the last token is recomputed, so there are logits to sample from.
                 hits = kv.lookup(req.block_hashes, (num_tokens - 1) // bs) if use_cache else []
+                if states is not None and hits:  # a hybrid continues only from a prefix whose state was saved
+                    del hits[states.usable_blocks(req.block_hashes, len(hits)):]
                 num_cached = len(hits) * bs
                 num_new = min(num_tokens - num_cached, budget)
+                if states is not None:
+                    num_new = states.chunk_limit(req, num_cached, num_new)
+                if self.whole_prompts and num_new < num_tokens - num_cached:
+                    self._release_lora(req)
+                    break  # the head waits for a step with room for all of it; nobody overtakes it
                 if not kv.allocate(req.block_ids, num_cached + num_new, hits):
                     self._release_lora(req)
                     break  # the head waits for blocks; nobody overtakes it
                 heapq.heappop(waiting)
+                if states is not None:
+                    states.admit(req, len(hits))
                 if use_cache:
                     kv.record_lookup(num_tokens, num_cached)
                 if req.status is RequestStatus.WAITING:  # its first admission (a preempted one resumes)

@@ -99,7 +99,7 @@ class StepPlan:
             start = req.num_computed_tokens
             end = start + num_new
             token_ids = req.token_ids
-            seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot))
+            seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot, req.state_slot))
             if req.params.pooling is not None and req.params.pooling.type_split >= 0:
                 seqs[-1].type_split = req.params.pooling.type_split
             is_scoring = req.params.max_tokens == 0

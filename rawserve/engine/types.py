@@ -34,6 +34,36 @@ class RequestFailed(RuntimeError):
 TokenLogprob = tuple[int, float, int, tuple[tuple[int, float], ...]]
 
 
+POOLING_METHODS = ("last", "mean", "cls")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """A pooling request (max_tokens 0): the core returns one vector per prompt instead of tokens.
+
+    The vector is the final hidden state pooled by `method` (after the model's final norm), or for a
+    sequence-classification encoder its classifier's logits, or, with `logit_ids`, the LM head's logits of
+    those ids at the pooled position (Qwen3-Reranker's yes/no). `dimensions` keeps the first d values
+    (Matryoshka), and `normalize` then L2-normalises what is kept."""
+    method: str = "last"
+    normalize: bool = False
+    dimensions: int | None = None
+    logit_ids: tuple[int, ...] = ()
+    # an encoder's sentence pair (a cross-encoder's query and document): tokens from here on have token type 1
+    type_split: int = -1
+
+    def validate(self) -> None:
+        if self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling: method must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
+        dims = self.dimensions
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+            raise ValueError(f"dimensions: must be a positive integer, got {dims!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logit_ids):
+            raise ValueError("pooling: logit_ids must be token ids")
+        if isinstance(self.type_split, bool) or not isinstance(self.type_split, int) or self.type_split < -1:
+            raise ValueError(f"pooling: type_split must be -1 or a token index, got {self.type_split!r}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -59,6 +89,8 @@ class SamplingParams:
     keep_special_tokens: tuple[str, ...] = ()
     # A grammar the output must match (built by the front end; plain lists, so it pickles).
     guided: CompiledGrammar | None = None
+    # A pooling request (embeddings, rerank scores): max_tokens 0, nothing sampled, one vector back.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = normalize_stop(self.stop)
@@ -125,6 +157,12 @@ class SamplingParams:
                 bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.guided is not None and not isinstance(self.guided, CompiledGrammar):
             bad("guided", f"must be a CompiledGrammar, got {type(self.guided).__name__}")
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingParams):
+                bad("pooling", f"must be a PoolingParams, got {type(self.pooling).__name__}")
+            self.pooling.validate()
+            if self.max_tokens != 0:
+                bad("max_tokens", f"a pooling request samples nothing: must be 0, got {self.max_tokens}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             bad("seed", f"must be an integer, got {self.seed!r}")
         normalize_stop(self.stop)
@@ -189,6 +227,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # finish_reason "error": why the core failed this request alone (the frontend raises RequestFailed)
     error: str | None = None
+    # a pooling request's vector (PoolingParams), float32 values, with its finishing output
+    pooled: list[float] | None = None
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ class TextOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's vector (RequestOutput.pooled)
 
 
 class OutputProcessor:
@@ -72,7 +73,7 @@ class OutputProcessor:
         logprobs = list(out.logprobs) if out.logprobs is not None else None  # thread mode shares the core's list
         return TextOutput(out.request_id, visible, list(out.new_token_ids), finished, reason, stop_reason, logprobs,
                           out.prompt_logprobs, out.num_prompt_tokens, out.num_output_tokens,
-                          out.num_cached_tokens), abort
+                          out.num_cached_tokens, out.pooled), abort
 
     def cut(self) -> TextOutput:
         """The last TextOutput of a request ended at its deadline: finish_reason "length", as if max_tokens had
