@@ -26,7 +26,7 @@ from rawserve.text.parsers import OutputParser, prompt_opens_reasoning
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Typed messages -> the plain dicts chat templates expect (text parts joined, arguments as objects)."""
+    """Typed messages -> the plain dicts chat templates expect (text parts joined)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m.role, str) or not m.role:
@@ -51,16 +51,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
             message["tool_call_id"] = m.tool_call_id
         if m.reasoning_content is not None:
             message["reasoning_content"] = m.reasoning_content
-        if m.tool_calls:
-            calls = []
-            for call in m.tool_calls:
-                try:  # templates (Llama 3's, Hermes') iterate over arguments as a mapping
-                    arguments = json.loads(call.function.arguments) if call.function.arguments else {}
-                except ValueError:
-                    arguments = call.function.arguments
-                calls.append({"id": call.id, "type": "function",
-                              "function": {"name": call.function.name, "arguments": arguments}})
-            message["tool_calls"] = calls
+        if m.tool_calls:  # arguments as sent (a JSON string): render_chat hands templates the mapping
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": call.function.arguments}} for call in m.tool_calls]
         out.append(message)
     return out
 
@@ -180,8 +173,9 @@ async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, caller: Ca
     params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided,
                                  keep_special_tokens=hidden)
     streams = ctx.start_streams([ids], params, rid, req, caller)
+    schemas = {t.function.name: t.function.parameters for t in req.tools or ()}  # what the XML form's values are
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
-                            starts_in_reasoning=opened, hidden_markers=hidden) for _ in streams]
+                            starts_in_reasoning=opened, hidden_markers=hidden, tools=schemas) for _ in streams]
     decide = functools.partial(finish_reason, forced=forced, named=isinstance(req.tool_choice, dict))
     return ChatRun(streams, parsers, UsageTally([len(ids)], params.n, caller.reservation), forced, decide)
 

@@ -218,6 +218,20 @@ def _role(role: Any, template: str) -> Any:
     return role
 
 
+def _call_with_mapping(call: Any) -> Any:
+    """An assistant tool call with its arguments parsed: OpenAI sends them as a JSON string, and templates iterate
+    them as a mapping (Qwen3.5's `arguments|items` writes each as a <parameter=KEY>; Llama 3's and Hermes' dump
+    the object), as transformers' callers and vLLM hand them over. Text that is no JSON stays a string."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"]) if function["arguments"] else {}
+    except (ValueError, RecursionError):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def _prepare_messages(messages: Any, template: str) -> list[dict]:
     if not isinstance(messages, (list, tuple)):
         raise ChatTemplateError("messages must be a list of objects")
@@ -230,6 +244,8 @@ def _prepare_messages(messages: Any, template: str) -> list[dict]:
         message = {k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None}
         if "role" in message:
             message["role"] = _role(message["role"], template)
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_call_with_mapping(call) for call in message["tool_calls"]]
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}

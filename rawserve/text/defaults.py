@@ -1,4 +1,5 @@
-"""Generation defaults: generation_config.json's sampling fields and end-of-sequence ids.
+"""Generation defaults: generation_config.json's sampling fields and end-of-sequence ids; the tool-call parser
+a chat template implies.
 
 A request that leaves a sampling field unset gets the checkpoint authors' value (e.g. Qwen3's
 temperature 0.6), not OpenAI's. Reads files only; it must not import engine, http or api.
@@ -92,3 +93,14 @@ def _eos_ids(data: dict, source: str) -> tuple[int, ...]:
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise ValueError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {value!r}")
     return tuple(dict.fromkeys(items))  # ordered, without repeats
+
+
+def tool_call_parser_for(name: str, chat_template: str | None) -> str:
+    """--tool-call-parser as served: a parser's name is kept; "auto" is the form the chat template teaches the
+    model to write. Qwen3.5's and Qwen3-Coder's templates spell out `<function=NAME>` and `<parameter=KEY>`
+    (the XML form, qwen3_coder); any other template, or none, gets hermes (JSON inside <tool_call>)."""
+    if name != "auto":
+        return name
+    if chat_template is not None and "<function=" in chat_template and "<parameter=" in chat_template:
+        return "qwen3_coder"
+    return "hermes"

@@ -1,4 +1,4 @@
-"""Streaming output parsers, pluggable by name: reasoning (<think>) and tool calls (hermes, llama3_json).
+"""Streaming output parsers, pluggable by name: reasoning (<think>) and tool calls (hermes, llama3_json, qwen3_coder).
 
 Pure string state machines used by the API layer; they must not import engine, http or api.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 from rawserve.text.parsers.hermes import HermesToolParser
 from rawserve.text.parsers.llama3_json import Llama3JsonToolParser
 from rawserve.text.parsers.output import REASONING_PARSERS, TOOL_PARSERS, OutputParser, check_parser_names
+from rawserve.text.parsers.qwen3_coder import Qwen3CoderToolParser
 from rawserve.text.parsers.reasoning import ThinkReasoningParser, prompt_opens_reasoning
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "HermesToolParser",
     "Llama3JsonToolParser",
     "OutputParser",
+    "Qwen3CoderToolParser",
     "ThinkReasoningParser",
     "check_parser_names",
     "prompt_opens_reasoning",

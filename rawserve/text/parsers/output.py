@@ -5,11 +5,13 @@ Chains a reasoning parser and a tool-call parser chosen by name, and merges thei
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from rawserve.text.parsers.base import Event, ReasoningParser, ToolParser
 from rawserve.text.parsers.hermes import HermesToolParser
 from rawserve.text.parsers.llama3_json import Llama3JsonToolParser
+from rawserve.text.parsers.qwen3_coder import Qwen3CoderToolParser
 from rawserve.text.parsers.reasoning import ThinkReasoningParser
 
 # name -> factory(starts_in_reasoning | None). deepseek_r1 templates always open <think> in the
@@ -18,18 +20,25 @@ REASONING_PARSERS: dict[str, Callable[[bool | None], ReasoningParser]] = {
     "qwen3": lambda opened: ThinkReasoningParser(bool(opened)),
     "deepseek_r1": lambda opened: ThinkReasoningParser(True if opened is None else opened),
 }
-TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
-    "hermes": HermesToolParser,
-    "llama3_json": Llama3JsonToolParser,
+# name -> factory(tools: function name -> its parameters schema). Only the XML form needs the schemas: its
+# values are raw text, typed by what each parameter declares.
+TOOL_PARSERS: dict[str, Callable[[Mapping[str, Any]], ToolParser]] = {
+    "hermes": lambda tools: HermesToolParser(),
+    "llama3_json": lambda tools: Llama3JsonToolParser(),
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
-def check_parser_names(reasoning: str | None = None, tool: str | None = None) -> None:
+AUTO = "auto"  # --tool-call-parser auto: the form the chat template teaches (text/defaults.py decides)
+
+
+def check_parser_names(reasoning: str | None = None, tool: str | None = None, *, allow_auto: bool = True) -> None:
     """Raise ValueError for an unknown parser name, listing the known ones (for flag validation)."""
     if reasoning is not None and reasoning not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser: unknown {reasoning!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
-    if tool is not None and tool not in TOOL_PARSERS:
-        raise ValueError(f"--tool-call-parser: unknown {tool!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+    known = [*TOOL_PARSERS, AUTO] if allow_auto else list(TOOL_PARSERS)
+    if tool is not None and tool not in known:
+        raise ValueError(f"--tool-call-parser: unknown {tool!r}; known: {', '.join(sorted(known))}")
 
 
 class OutputParser:
@@ -37,7 +46,8 @@ class OutputParser:
 
     reasoning: a reasoning parser name or None (all text is content). use_tools: look for tool calls
     (with tool_parser) in the content. starts_in_reasoning: the prompt already opened <think>
-    (see prompt_opens_reasoning); None takes the parser's default. Deltas are never empty; a tool
+    (see prompt_opens_reasoning); None takes the parser's default. `tools`: the request's functions, name ->
+    parameters schema (None: no parameters). Deltas are never empty; a tool
     call's first delta carries index, id, type and name with empty arguments, later ones argument
     fragments. `has_tool_calls` tells the API to finish with "tool_calls".
 
@@ -54,10 +64,11 @@ class OutputParser:
         tool_parser: str = "hermes",
         starts_in_reasoning: bool | None = None,
         hidden_markers: Iterable[str] = (),
+        tools: Mapping[str, Any] | None = None,
     ) -> None:
-        check_parser_names(reasoning, tool_parser)
+        check_parser_names(reasoning, tool_parser, allow_auto=False)
         self._reasoning = REASONING_PARSERS[reasoning](starts_in_reasoning) if reasoning else None
-        self._tools = TOOL_PARSERS[tool_parser]() if use_tools else None
+        self._tools = TOOL_PARSERS[tool_parser](tools or {}) if use_tools else None
         self.markers: tuple[str, ...] = ((self._reasoning.markers if self._reasoning is not None else ())
                                          + (self._tools.markers if self._tools is not None else ()))
         self._hidden = tuple(m for m in hidden_markers if m)
