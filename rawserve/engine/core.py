@@ -115,6 +115,8 @@ class EngineCore:
     def close(self) -> None:
         """Let the adapter reads in flight go (each finishes on its own thread and is dropped)."""
         self.loras.close()
+        if self._guided is not None:
+            self._guided.close()
 
     def _request_done(self, req: Request) -> None:
         if req.lora is not None:
@@ -216,11 +218,19 @@ class EngineCore:
         plan = StepPlan(scheduled)  # the batch's rows: which sample, which carry prompt logprobs
         if self.states is not None:  # prefix hits' saved states into their new slots, before the forward reads them
             self.runner.copy_states(self.states.take_copies())
-        if plan.pool_reqs:
-            logits, pooled = self.runner.execute_pooling(plan.batch)
-            self._add_pooled(plan, pooled)
-        else:
-            logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
+        # Constrained rows' masks not built yet are built on the guided helper thread while the forward runs
+        # (torch ops release the GIL); the step waits only for what outlasts the forward.
+        ahead = self._guided.build_ahead([r.guided for r in plan.sample_reqs if r.guided is not None]) \
+            if self._guided is not None else None
+        try:
+            if plan.pool_reqs:
+                logits, pooled = self.runner.execute_pooling(plan.batch)
+                self._add_pooled(plan, pooled)
+            else:
+                logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
+        finally:
+            if ahead is not None:
+                self._guided.wait_ahead(ahead)
         self._commit_forward(plan)
         if plan.prompt_spans:
             self._collect_prompt_logprobs(logits, plan.prompt_spans)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 # The chain's anchor. Hashes live only in this process's memory, so native byte order is fine.
 _ROOT = hashlib.sha256(b"rawserve.prefix-cache.v1").digest()
@@ -72,6 +73,9 @@ class KVCacheManager:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # oldest first: eviction order
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, tokens found
+        # Told each key whose block is evicted: a hybrid model's saved state under that key (StateCacheManager.
+        # forget) stands for this block's prefix and goes with it.
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,9 +135,15 @@ class KVCacheManager:
         if self.free_plain:
             return self.free_plain.popleft()
         block, _ = self.free_cached.popitem(last=False)
-        del self.cached[self.block_keys[block]]
-        self.block_keys[block] = None
+        self._evict(block)
         return block
+
+    def _evict(self, block: int) -> None:
+        key = self.block_keys[block]
+        del self.cached[key]
+        self.block_keys[block] = None
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block of a table and empty it.
@@ -164,8 +174,7 @@ class KVCacheManager:
         evict = max(0, len(self.free_cached) - max(0, keep_cached))
         for _ in range(evict):  # oldest first
             block, _ = self.free_cached.popitem(last=False)
-            del self.cached[self.block_keys[block]]
-            self.block_keys[block] = None
+            self._evict(block)
         ref_counts = self.ref_counts
         kept = set(self.free_cached)
         # The lowest ids no request holds, one per kept block: the kept blocks already there stay, the others

@@ -29,7 +29,7 @@ class Request:
         "block_hashes", "hash_extra", "is_cacheable", "num_published_blocks", "status", "finish_reason",
         "stop_reason", "eos_ids", "stop_ids", "min_tokens_ban", "prompt_logprobs", "prompt_logprobs_done",
         "generator", "penalty_slot", "needs_penalties", "is_plain_greedy", "bias_ids", "bias_values",
-        "sampling_row", "guided", "guided_end_ids", "queued_at_s", "lora_slot",
+        "sampling_row", "guided", "guided_end_ids", "queued_at_s", "lora_slot", "state_slot",
     )
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -41,6 +41,7 @@ class Request:
         self.arrival = arrival  # admission order among equal priorities
         self.lora = lora
         self.lora_slot = -1  # the LoRA slot it holds while running (the scheduler's LoraSlots assigns it)
+        self.state_slot = -1  # a hybrid model's state slot while running (StateCacheManager assigns it)
         self.features = features
         self.cache_salt = cache_salt
         self.token_ids = list(prompt_ids)
