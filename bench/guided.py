@@ -3,6 +3,7 @@ Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32
 
 python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
+                       [--cold-decode] [--cold-decode-tokens 48] [--shape 0.6b|tiny]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
 runs, then the issue's targets); logs go to stderr. xgrammar and llguidance are bench-only extras.
 
@@ -20,6 +21,10 @@ runs; the model forward (runner.execute) and the guided share of each step (Guid
 TokenMask.apply) are timed inside it. The target is judged on ratio_same_forward: each run's host time
 over one forward shared by all runs, since on a shared box the forward alone swings several-fold between
 runs; the plain tok/s ratio is printed beside it.
+Cold (--cold-decode, issue 34): batch --batch where every row has a schema nobody sent before (variants of the
+corpus schemas), against the same batch unconstrained; then an unconstrained stream's ITL p99 alone and beside
+8 cold-schema streams. Masks are built on the core's helper thread during the forward; the rows report what
+the steps waited for them.
 """
 from __future__ import annotations
 
@@ -49,6 +54,14 @@ MASK_P99_US = 1000.0
 COMPILE_VS_XGR = 10.0  # cold compile, ours / xgrammar's, at most
 CACHED_COMPILE_MS = 1.0
 DECODE_RATIO = 0.9  # constrained / unconstrained decode tok/s at batch 32, at least
+# The cold path (issue 34): compile + first-pass masks of one output, ours over theirs, at most; the largest
+# single cold mask; batch-32 decode with a new schema per row over unconstrained; an unconstrained stream's
+# ITL p99 beside 8 cold-schema streams over alone.
+COLD_VS_LLG = 2.0
+COLD_VS_XGR = 1.0
+LARGEST_COLD_MASK_MS = 2.0
+COLD_DECODE_RATIO = 0.9
+COLD_ITL_P99_RATIO = 1.1
 
 # The seed's get_weather tool (shared/fixtures/tools/render_template_goldens.py; the seed's demo calls it
 # with {"city": ...}).
@@ -171,6 +184,9 @@ class Ours:
 
         began = time.perf_counter()
         self.vocab = load_vocab_index(model_dir, VOCAB_SIZE)  # from the disk cache after the first run
+        # per tokenizer, like xgrammar's TokenizerInfo: the plain split and the Python trie arrays
+        self.vocab.plain_split()
+        self.vocab.py_arrays()
         self.setup_ms = round((time.perf_counter() - began) * 1e3, 1)
         self.tokenizer = tokenizer
         self.row = torch.empty(VOCAB_SIZE)
@@ -508,8 +524,9 @@ def decode_run(core, prompts: list[list[int]], output_len: int, guided, tag: str
     from rawserve.engine.types import SamplingParams
 
     for i, ids in enumerate(prompts):
-        core.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=output_len, temperature=1.0, seed=1000 + i,
-                                                           guided=guided))
+        core.add_request(f"{tag}-{i}", ids, SamplingParams(
+            max_tokens=output_len, temperature=1.0, seed=1000 + i,
+            guided=guided[i] if isinstance(guided, list) else guided))
     batch = len(prompts)
     steps = []  # (wall_s, guided_s, num_running before the step, tokens out, forward_s)
     outputs: dict[str, list[int]] = {}
@@ -605,6 +622,112 @@ def bench_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> lis
     return rows
 
 
+def cold_variant(i: int, nonce: str) -> dict:
+    """A schema nobody sent before: the corpus schemas' shapes (get_weather, parts of nested20) with keys
+    renamed by `nonce` and bounds and enums moved by i."""
+    if i % 2 == 0:
+        return _obj({f"city_{nonce}_{i}": {"type": "string", "maxLength": 12 + i % 20},
+                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit", f"u{i}"]},
+                     "days": {"type": "integer", "minimum": 1, "maximum": 3 + i}}, [f"city_{nonce}_{i}", "unit"])
+    keys = list(NESTED20_SCHEMA["properties"])
+    picked = [keys[(i + 3 * j) % len(keys)] for j in range(4 + i % 5)]
+    props = {f"{k}_{nonce}_{i}": NESTED20_SCHEMA["properties"][k] for k in dict.fromkeys(picked)}
+    return _obj(props, list(props)[:2])
+
+
+def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -> list[dict]:
+    """Batch `--batch` where every row has its own schema nobody sent before, against the same batch
+    unconstrained (runs interleaved: none, cold, none); then an unconstrained stream's inter-token latency
+    alone and beside 8 cold-schema streams. Grammars are compiled before the run (the server compiles in
+    its workers before a request reaches the engine): what is timed is the engine's side, cold masks."""
+    from rawserve.config import EngineConfig
+    from rawserve.engine.core import EngineCore
+    from rawserve.engine.guided.nfa import compile_grammar
+    from rawserve.engine.types import SamplingParams
+
+    batch, out_len = args.batch, args.cold_decode_tokens
+    prompts = [tokenizer.encode(f"Record #{i}: reply with one JSON object.") for i in range(batch)]
+    max_prompt = max(len(p) for p in prompts)
+    seq_blocks = -(-(max_prompt + out_len + 8) // 16)
+    config = EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", block_size=16,
+                          num_kv_blocks=2 * batch * seq_blocks + 16, max_num_seqs=batch,
+                          max_num_batched_tokens=4096, max_model_len=max_prompt + out_len + 8)
+    core = EngineCore(config)
+    registry = core.guided_registry()
+    registry._ahead.submit(lambda: None).result()  # the vocabulary's plain split: engine start-up
+    timer = GuidedTimer()
+    forward = ForwardTimer(core.runner)
+    rows = []
+
+    def grammars(n: int, tag: str) -> list:
+        nonce = f"{tag}{time.monotonic_ns() % 10**9}"
+        return [compile_grammar(ours.grammar(cold_variant(i, nonce)), f"cold-{nonce}-{i}") for i in range(n)]
+
+    try:
+        decode_run(core, prompts, 2, None, "cold-warmup", timer, forward)
+        runs = []
+        for index, label in enumerate(("none", "cold", "none")):
+            guided = grammars(batch, f"b{index}") if label == "cold" else None
+            waited_before = registry.ahead_wait_s
+            result = decode_run(core, prompts, out_len, guided, f"c{index}", timer, forward)
+            steps = result["steps"]
+            decode_steps = steps[1:]  # the first is the prefill
+            decode_s = sum(s[0] for s in decode_steps)
+            tokens = sum(s[3] for s in decode_steps)
+            runs.append({"label": label, "tok_s": tokens / decode_s if decode_s else 0.0,
+                         "step_ms": [s[0] * 1e3 for s in decode_steps],
+                         "forward_ms": [s[4] * 1e3 for s in decode_steps],
+                         "ahead_wait_ms": (registry.ahead_wait_s - waited_before) * 1e3,
+                         "num_stop": sum(1 for r in result["reasons"].values() if r == "stop")})
+            if label == "cold":
+                check_outputs(tokenizer, "cold", result)
+        plain = statistics.fmean(r["tok_s"] for r in runs if r["label"] == "none")
+        cold = next(r for r in runs if r["label"] == "cold")
+        rows.append({**base, "bench": "guided_cold_decode", "batch": batch, "max_tokens": out_len,
+                     "num_distinct_schemas": batch, "cold_tok_s": round(cold["tok_s"], 1),
+                     "unconstrained_tok_s": round(plain, 1), "ratio": round(cold["tok_s"] / plain, 3),
+                     "cold_step_ms_p50": round(percentile(cold["step_ms"], 0.5), 2),
+                     "cold_step_ms_max": round(max(cold["step_ms"]), 2),
+                     "unconstrained_step_ms_p50": round(percentile(
+                         [m for r in runs if r["label"] == "none" for m in r["step_ms"]], 0.5), 2),
+                     "forward_ms_p50": round(percentile(cold["forward_ms"], 0.5), 2),
+                     # what the cold run's steps waited for masks still being built on the helper thread
+                     "ahead_wait_ms_total": round(cold["ahead_wait_ms"], 1),
+                     "num_finished_stop": cold["num_stop"], "load_avg_1m": round(os.getloadavg()[0], 2)})
+        print(json.dumps(rows[-1]), flush=True)
+
+        def itl_run(num_cold: int, tag: str) -> list[float]:
+            """The unconstrained stream's gaps between tokens (ms), beside num_cold cold-schema streams."""
+            cold_grammars = grammars(num_cold, tag)
+            for i, g in enumerate(cold_grammars):
+                core.add_request(f"{tag}-g{i}", prompts[i + 1], SamplingParams(
+                    max_tokens=out_len, temperature=1.0, seed=7 + i, guided=g))
+            core.add_request(f"{tag}-plain", prompts[0], SamplingParams(max_tokens=out_len, temperature=1.0, seed=3))
+            gaps, last = [], None
+            while core.has_unfinished:
+                outs = core.step()
+                now = time.perf_counter()
+                if any(o.request_id == f"{tag}-plain" and o.new_token_ids for o in outs):
+                    if last is not None:
+                        gaps.append((now - last) * 1e3)
+                    last = now
+            return gaps
+
+        alone, beside, alone_after = itl_run(0, "i0"), itl_run(8, "i1"), itl_run(0, "i2")
+        alone_all = alone + alone_after
+        p99_alone, p99_beside = percentile(alone_all, 0.99), percentile(beside, 0.99)
+        rows.append({**base, "bench": "guided_cold_itl", "num_cold_streams": 8, "max_tokens": out_len,
+                     "itl_p99_alone_ms": round(p99_alone, 2), "itl_p99_beside_cold_ms": round(p99_beside, 2),
+                     "itl_p50_alone_ms": round(percentile(alone_all, 0.5), 2),
+                     "itl_p50_beside_cold_ms": round(percentile(beside, 0.5), 2),
+                     "ratio_p99": round(p99_beside / p99_alone, 3), "load_avg_1m": round(os.getloadavg()[0], 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    finally:
+        timer.restore()
+        core.close()
+    return rows
+
+
 def check_outputs(tokenizer, name: str, result: dict) -> None:
     """A finished output must parse as JSON (a length-capped one is a prefix, not checked)."""
     for rid, ids in result["outputs"].items():
@@ -631,7 +754,14 @@ def main() -> None:
                              "so few steps run the full batch.")
     parser.add_argument("--decode-warm", action="store_true", help="Also run each grammar again with its masks cached.")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--cold-decode", action="store_true",
+                        help="Also the cold runs: batch --batch with a schema per row nobody sent before, and an "
+                             "unconstrained stream's ITL beside 8 cold-schema streams.")
+    parser.add_argument("--cold-decode-tokens", type=int, default=48)
     parser.add_argument("--only-ours", action="store_true", help="Skip xgrammar and llguidance.")
+    parser.add_argument("--shape", default="0.6b", choices=("0.6b", "tiny"),
+                        help="The decode model's shape (the Qwen3 tokenizer either way): tiny keeps the forward "
+                             "small, so the decode runs show the host's share.")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--mask-threads", type=int, default=1,
                         help="torch threads for the compile/mask part (0: torch's default). On a shared 2-core box "
@@ -643,7 +773,7 @@ def main() -> None:
     from bench.checkpoints import QWEN3_TOKENIZER, ensure_qwen3_06b_shape
     from rawserve.text.tokenizer import Tokenizer
 
-    model_dir = str(ensure_qwen3_06b_shape("float32"))  # also the home of the vocabulary index's disk cache
+    model_dir = str(ensure_qwen3_06b_shape("float32", shape=args.shape))  # also the home of the vocabulary index's disk cache
     tokenizer = Tokenizer.from_dir(model_dir)
     decode_threads = torch.get_num_threads()
     if args.mask_threads:
@@ -689,12 +819,37 @@ def main() -> None:
     torch.set_num_threads(decode_threads)
     base["threads"] = decode_threads
     decode_rows = [] if args.skip_decode else bench_decode(args, model_dir, tokenizer, impls[0], base)
-    print(json.dumps(targets(all_rows, decode_rows, base, time.perf_counter() - run_began)), flush=True)
+    cold_rows = bench_cold_decode(args, model_dir, tokenizer, impls[0], base) if args.cold_decode else []
+    print(json.dumps(targets(all_rows, decode_rows + cold_rows, base, time.perf_counter() - run_began)), flush=True)
 
 
 def targets(all_rows: dict, decode_rows: list[dict], base: dict, run_s: float) -> dict:
     out = {**base, "bench": "guided_targets"}
     met = []
+    cold_rows = [r for r in decode_rows if r["bench"] != "guided_decode"]
+    decode_rows = [r for r in decode_rows if r["bench"] == "guided_decode"]
+    for case, rows in all_rows.items():  # the cold path: compile + the first pass's masks, in one run
+        ours, xgr, llg = rows["rawserve"], rows.get("xgrammar"), rows.get("llguidance")
+        if not (xgr and llg):
+            continue
+        cold = {impl: r["compile_ms"] + r["warmup_mask_total_ms"] for impl, r in rows.items()}
+        t = {"cold_ms": round(cold["rawserve"], 1), "cold_ms_xgr": round(cold["xgrammar"], 1),
+             "cold_ms_llg": round(cold["llguidance"], 1),
+             "cold_vs_llg": round(cold["rawserve"] / cold["llguidance"], 3),
+             "cold_vs_xgr": round(cold["rawserve"] / cold["xgrammar"], 3),
+             "largest_cold_mask_ms": ours["warmup_mask_max_ms"]}
+        t.update(cold_vs_llg_met=t["cold_vs_llg"] <= COLD_VS_LLG, cold_vs_xgr_met=t["cold_vs_xgr"] <= COLD_VS_XGR,
+                 largest_cold_mask_met=t["largest_cold_mask_ms"] <= LARGEST_COLD_MASK_MS)
+        out[f"cold_{case}"] = t
+        met += [t["cold_vs_llg_met"], t["cold_vs_xgr_met"], t["largest_cold_mask_met"]]
+    for row in cold_rows:
+        if row["bench"] == "guided_cold_decode":
+            out["cold_decode"] = {"ratio": row["ratio"], "met": row["ratio"] >= COLD_DECODE_RATIO,
+                                  "ahead_wait_ms_total": row["ahead_wait_ms_total"]}
+            met.append(out["cold_decode"]["met"])
+        else:
+            out["cold_itl"] = {"ratio_p99": row["ratio_p99"], "met": row["ratio_p99"] <= COLD_ITL_P99_RATIO}
+            met.append(out["cold_itl"]["met"])
     for case, rows in all_rows.items():
         ours, xgr, llg = rows["rawserve"], rows.get("xgrammar"), rows.get("llguidance")
         if case == "get_weather_tool_call":  # ours alone, beside the plain schema: not one of the issue's targets
@@ -755,7 +910,10 @@ def targets(all_rows: dict, decode_rows: list[dict], base: dict, run_s: float) -
         met.append(same_forward >= DECODE_RATIO)  # `ratio` is printed too; on a quiet box the two agree
     out.update(targets={"mask_p50_vs_llg_max": MASK_P50_VS_LLG, "mask_p50_vs_xgr_max": MASK_P50_VS_XGR,
                         "mask_p99_us_max": MASK_P99_US, "cold_compile_vs_xgr_max": COMPILE_VS_XGR,
-                        "cached_compile_ms_max": CACHED_COMPILE_MS, "decode_ratio_min": DECODE_RATIO},
+                        "cached_compile_ms_max": CACHED_COMPILE_MS, "decode_ratio_min": DECODE_RATIO,
+                        "cold_vs_llg_max": COLD_VS_LLG, "cold_vs_xgr_max": COLD_VS_XGR,
+                        "largest_cold_mask_ms_max": LARGEST_COLD_MASK_MS, "cold_decode_ratio_min": COLD_DECODE_RATIO,
+                        "cold_itl_p99_ratio_max": COLD_ITL_P99_RATIO},
                num_met=sum(met), num_checked=len(met), all_met=all(met) if met else None,
                run_s=round(run_s, 1), load_avg_1m=round(os.getloadavg()[0], 2))
     return out

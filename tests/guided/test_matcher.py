@@ -224,3 +224,55 @@ def test_a_grammar_past_its_configuration_bound_stops_growing(monkeypatch):
             break
     assert cid == DEAD and runtime.automaton.num_configs <= matcher.MAX_CONFIGS + 260
     assert runtime.mask(DEAD).num_allowed == 0  # the request can only end
+
+
+def plain_vocab() -> tuple[list[bytes], set[int]]:
+    """small_vocab plus what the plain-character shortcut splits: tokens longer than PLAIN_MAX_CHARS, plain
+    runs ending in `"` or an escape or a partial character, escapes followed by plain text."""
+    tokens, specials = small_vocab(1)
+    rng = random.Random(7)
+    words = ["a", "é", "中", "😀", " ", "x", "7"]
+    extra = []
+    for _ in range(200):
+        run = "".join(rng.choice(words) for _ in range(rng.randint(1, 24))).encode()
+        tail = rng.choice([b"", b'"', b'",', b'"}', b"\\n", b"\\u00e9", "中".encode()[:2], b"\n", b'\\"a'])
+        extra.append(run + tail)
+    extra += [b'\\nab', b'"', b'",', b"a" * 30, "é".encode() * 20 + b'"']
+    base = len(tokens) - len(specials)  # specials are the last three: keep them last
+    tokens = tokens[:base] + extra + tokens[base:]
+    return tokens, {i + len(extra) for i in specials}
+
+
+PLAIN_GRAMMARS = {
+    "unbounded": Grammar({"root": seq(lit('{"a": '), JSON_STRING, lit("}"))}),
+    "max_length": Grammar({"root": seq(lit('["'), Repeat(STRING_CHAR, 0, 20), lit('"]'))}),
+    "min_max_length": Grammar({"root": seq(lit('"'), Repeat(STRING_CHAR, 3, 5), lit('", "'),
+                                           Repeat(STRING_CHAR, 0, 2), lit('"'))}),
+    # not every plain character moves alike: the general walk
+    "letters": Grammar({"root": seq(lit('"'), Repeat(byte_set([(97, 122)]), 0, None), lit('"'))}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_GRAMMARS))
+def test_plain_character_shortcut_masks_equal_brute_force(name):
+    tokens, specials = plain_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens) + 2)
+    runtime = GrammarRuntime(compile_grammar(PLAIN_GRAMMARS[name], name), vocab)
+    a = runtime.automaton
+    rng = random.Random(3)
+    seen, frontier, checked = {a.start}, [a.start], 0
+    while frontier and checked < 120:
+        cid = frontier.pop(rng.randrange(len(frontier)))
+        mask = runtime.mask(cid).allowed(vocab.vocab_size)
+        assert torch.equal(mask, brute_mask(a, vocab, cid)), f"{name}: configuration {cid}"
+        checked += 1
+        for t in mask.nonzero().squeeze(1).tolist():
+            nxt = runtime.advance(cid, t)
+            if nxt != DEAD and nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    assert checked >= 3
+    if name == "letters":
+        assert runtime.num_walks["plain"] == 0
+    else:
+        assert runtime.num_walks["plain"] > 0

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import logging
 
 import torch
 
 from rawserve.engine.guided.automaton import DEAD, Automaton
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.vocab import VocabIndex
+from rawserve.engine.guided.vocab import PLAIN_MAX_CHARS, VocabIndex
+
+log = logging.getLogger("rawserve.engine.guided")
 
 _NEG_INF = float("-inf")
 # A configuration that more first bytes than this can continue is walked densely (every trie node at once).
@@ -24,6 +29,17 @@ MAX_CONFIGS = 50_000
 # Per grammar, the walks and masks kept; past this they are dropped and rebuilt as reached (a wide mask is
 # up to 600 KB, and an adversarial grammar can reach thousands of configurations).
 MAX_CACHE_BYTES = 64 << 20
+# A narrow configuration is walked in Python, node by node, until this many trie edges have been looked at;
+# past it (a narrow start that opens onto a wide subtree) the tensor walk takes over.
+PY_WALK_BUDGET = 40_000
+# UTF-8 of one plain character (vocab._PLAIN_CHAR) as an automaton: state -> (lo, hi, next state), 0 the
+# boundary between characters. A configuration's plain step is read off its product with this.
+_PLAIN_UTF8 = (
+    ((0x20, 0x21, 0), (0x23, 0x5B, 0), (0x5D, 0x7F, 0), (0xC2, 0xDF, 1), (0xE0, 0xE0, 2), (0xE1, 0xEC, 3),
+     (0xED, 0xED, 4), (0xEE, 0xEF, 3), (0xF0, 0xF0, 5), (0xF1, 0xF3, 6), (0xF4, 0xF4, 7)),
+    ((0x80, 0xBF, 0),), ((0xA0, 0xBF, 1),), ((0x80, 0xBF, 1),), ((0x80, 0x9F, 1),), ((0x90, 0xBF, 3),),
+    ((0x80, 0xBF, 3),), ((0x80, 0x8F, 3),))
+_UNIFORM_NONE = -1  # a configuration that plain characters do not all move alike
 # Stack frames a mask's base walk keeps: tokens that close more nested rules than this (e.g. `}}]}`)
 # are checked one by one against the whole stack.
 TRUNCATE_DEPTH = 3
@@ -85,10 +101,13 @@ class GrammarRuntime:
         self._kind = torch.zeros(64, dtype=torch.int8)  # Automaton.kind per configuration, as the walk reads it
         self._num_kinds = 0
         self._masks: dict[int, TokenMask] = {}  # per configuration
-        self._walks: dict[int, tuple[torch.Tensor, list[int]]] = {}  # per truncated configuration
+        self._walks: dict[int, tuple[int, torch.Tensor, list[int]]] = {}  # per truncated configuration
+        self._plain_steps: dict[int, int] = {}  # configuration -> where every plain character leads
+        self._tail_walks: dict[int, list[tuple[int, int]]] = {}
         self._shared: dict[tuple, TokenMask] = {}  # equal masks are one object
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
+        self.num_walks = {"plain": 0, "python": 0, "tensor": 0}  # which walk built each mask's base
         self.mask_build_s = 0.0
         self.cache_bytes = 0  # what the walks and masks hold
 
@@ -129,11 +148,21 @@ class GrammarRuntime:
         finally:
             torch.set_num_threads(threads)
 
+    def has_mask(self, cid: int) -> bool:
+        return cid in self._masks
+
+    def build(self, cid: int) -> TokenMask:
+        """mask() without touching torch's thread count: for the helper thread, where set_num_threads would
+        change the forward's threads too (it is process-wide)."""
+        mask = self._masks.get(cid)
+        return mask if mask is not None else self._build(cid)
+
     def _build(self, cid: int) -> TokenMask:
         began = time.perf_counter()
         if self.cache_bytes > MAX_CACHE_BYTES:  # caches only: what is dropped is rebuilt when reached again
             self._masks.clear()
             self._walks.clear()
+            self._tail_walks.clear()
             self._shared.clear()
             self._token_next.clear()
             self.cache_bytes = 0
@@ -143,14 +172,14 @@ class GrammarRuntime:
         if walked is None:
             walked = self._walk(base)
             self._walks[base] = walked
-            self.cache_bytes += walked[0].numel() * walked[0].element_size() + 8 * len(walked[1])
-        certain, uncertain = walked
+            self.cache_bytes += walked[1].numel() * walked[1].element_size() + 8 * len(walked[2])
+        num_plain, certain, uncertain = walked
         extra = [t for t in uncertain if self.advance(cid, t) != DEAD]
         specials = [t for t in a.allowed_tokens(cid) if 0 <= t < self.vocab.vocab_size] if cid != DEAD else []
         key = (base, tuple(extra), tuple(specials), a.is_accepting[cid])
         mask = self._shared.get(key)
         if mask is None:
-            mask = self._make_mask(certain, extra + specials, a.is_accepting[cid])
+            mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid])
             self._shared[key] = mask
             self.cache_bytes += mask.ids.numel() * mask.ids.element_size()
         self._masks[cid] = mask
@@ -243,20 +272,165 @@ class GrammarRuntime:
         tokens, kinds = torch.cat(ends), self._kind[torch.cat(end_states)]
         return tokens[kinds == 1], tokens[kinds == 2]
 
-    def _walk(self, cid: int) -> tuple[torch.Tensor, list[int]]:
-        """(tokens the configuration certainly allows, tokens that pop into a MARK frame: undecided).
-        Wide configurations walk densely, narrow ones sparsely."""
+    def _walk(self, cid: int) -> tuple[int, torch.Tensor, list[int]]:
+        """(n: every token of 1..n plain characters is certainly allowed, -1 for none; more tokens it certainly
+        allows; tokens that pop into a MARK frame: undecided). A configuration that plain characters move
+        alike takes its plain tokens by count and walks the tails alone; other narrow ones walk in Python,
+        and the rest walk the trie with tensors (densely when wide)."""
         if cid == DEAD:
-            return torch.zeros(0, dtype=torch.int64), []
+            return -1, torch.zeros(0, dtype=torch.int64), []
         first = self.automaton.expand(cid)
         num_live_first = sum(1 for c in first if c != DEAD)
+        if num_live_first > DENSE_WALK_FIRST_BYTES:
+            plain = self._walk_plain(cid)
+            if plain is not None:
+                self.num_walks["plain"] += 1
+                return plain
+        else:
+            walked = self._walk_py(cid)
+            if walked is not None:
+                self.num_walks["python"] += 1
+                return -1, torch.tensor(walked[0], dtype=torch.int64), walked[1]
+        self.num_walks["tensor"] += 1
         walk = self._walk_dense if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse
         certain, uncertain = walk(cid)
-        return certain, uncertain.tolist()
+        return -1, certain, uncertain.tolist()
 
-    def _make_mask(self, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
+    def _plain_step(self, cid: int) -> int:
+        """The configuration every plain character leads to from `cid` (DEAD if none is allowed), or
+        _UNIFORM_NONE when they do not all lead to one: read off the product with _PLAIN_UTF8."""
+        hit = self._plain_steps.get(cid)
+        if hit is not None:
+            return hit
+        a = self.automaton
+        ends: set[int] = set()
+        seen = {(cid, 0)}
+        work = [(cid, 0)]
+        result = None
+        while work and result is None:
+            c, u = work.pop()
+            row = a.expand(c)
+            for lo, hi, nu in _PLAIN_UTF8[u]:
+                nxt = row[lo]
+                if row[lo:hi + 1].count(nxt) != hi + 1 - lo:
+                    result = _UNIFORM_NONE  # bytes of one class part ways: not a plain-character loop
+                    break
+                if nxt == DEAD or nu == 0:
+                    ends.add(nxt)
+                    if len(ends) > 1:
+                        result = _UNIFORM_NONE
+                        break
+                elif (nxt, nu) not in seen:
+                    seen.add((nxt, nu))
+                    work.append((nxt, nu))
+        if result is None:
+            result = ends.pop() if ends else DEAD
+        self._plain_steps[cid] = result
+        return result
+
+    def _tail_ends(self, cid: int) -> list[tuple[int, int]]:
+        """(tail trie node holding tokens, the configuration after that tail) for every tail alive from cid."""
+        hit = self._tail_walks.get(cid)
+        if hit is not None:
+            return hit
+        a = self.automaton
+        split = self.vocab.plain_split()
+        children, tails = split.children, split.tails
+        next_byte, expand = a.next_byte, a.expand
+        out = []
+        work = [(0, cid)]
+        while work:
+            node, c = work.pop()
+            row = next_byte[c]
+            if row[0] < 0:
+                row = expand(c)
+            for byte, child in children[node].items():
+                nxt = row[byte]
+                if nxt != DEAD:
+                    if tails[child] is not None:
+                        out.append((child, nxt))
+                    if children[child]:
+                        work.append((child, nxt))
+        self._tail_walks[cid] = out
+        self.cache_bytes += 64 * len(out) + 100
+        return out
+
+    def _walk_plain(self, cid: int) -> tuple[int, torch.Tensor, list[int]] | None:
+        """The walk of a configuration that plain characters move alike (a string body, or one counted place
+        of a maxLength string): D_n, the configuration after n plain characters, for n up to PLAIN_MAX_CHARS;
+        then tokens of n plain characters alone by count, and each tail from its D_n. None if any D_n is not
+        uniform or pops below the cut (the general walk then)."""
+        a = self.automaton
+        chain = [cid]
+        while len(chain) <= PLAIN_MAX_CHARS:
+            last = chain[-1]
+            if last == DEAD:
+                break
+            nxt = self._plain_step(last)
+            if nxt == _UNIFORM_NONE or a.kind[nxt] == 2:
+                return None
+            if nxt == last:  # a loop: every later D_n is this one
+                break
+            chain.append(nxt)
+        # D_n = chain[min(n, len - 1)] after a loop or a full chain; after DEAD, D_n is DEAD from there on
+        dies = chain[-1] == DEAD
+        num_chars = len(chain) - 2 if dies else PLAIN_MAX_CHARS
+        split = self.vocab.plain_split()
+        kind = a.kind
+        certain: list[int] = []
+        uncertain: list[int] = []
+        if len(chain) == 1:  # a loop from the start: every D_n is cid
+            for node, end in self._tail_ends(cid):
+                (certain if kind[end] == 1 else uncertain).extend(split.all_tails[node])
+        else:
+            tails = split.tails
+            for n in range(PLAIN_MAX_CHARS + 1):
+                d = chain[min(n, len(chain) - 1)]
+                if d == DEAD:
+                    break
+                for node, end in self._tail_ends(d):
+                    ids = tails[node].get(n)
+                    if ids:
+                        (certain if kind[end] == 1 else uncertain).extend(ids)
+        return num_chars, torch.tensor(certain, dtype=torch.int64), uncertain
+
+    def _walk_py(self, cid: int) -> tuple[list[int], list[int]] | None:
+        """The sparse walk in Python, node by node: for a narrow configuration (a key, digits, an enum) a
+        handful of alive nodes, where each tensor op of the level walk costs more than the whole of it.
+        None past PY_WALK_BUDGET edges."""
+        a = self.automaton
+        node_byte, first_child, num_children, node_token = self.vocab.py_arrays()
+        next_byte, expand, kind = a.next_byte, a.expand, a.kind
+        certain: list[int] = []
+        uncertain: list[int] = []
+        budget = PY_WALK_BUDGET
+        work = [(0, cid)]
+        while work:
+            node, c = work.pop()
+            row = next_byte[c]
+            if row[0] < 0:
+                row = expand(c)
+            begin = first_child[node]
+            end = begin + num_children[node]
+            budget -= end - begin
+            if budget < 0:
+                return None
+            for j in range(begin, end):
+                nxt = row[node_byte[j]]
+                if nxt != DEAD:
+                    token = node_token[j]
+                    if token >= 0:
+                        (certain if kind[nxt] == 1 else uncertain).append(token)
+                    if num_children[j]:
+                        work.append((j, nxt))
+        return certain, uncertain
+
+    def _make_mask(self, num_plain: int, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
         v = self.vocab
-        allowed = torch.zeros(v.vocab_size, dtype=torch.bool)
+        if num_plain > 0:
+            allowed = v.plain_split().mask_upto(num_plain).clone()
+        else:
+            allowed = torch.zeros(v.vocab_size, dtype=torch.bool)
         allowed[certain] = True
         if more:
             allowed[torch.tensor(more, dtype=torch.int64)] = True
@@ -311,6 +485,14 @@ class GuidedState:
         return self.runtime.mask(self.config)
 
 
+def _build_masks(states: list[GuidedState]) -> None:
+    for state in states:
+        try:
+            state.runtime.build(state.config)
+        except Exception:  # noqa: BLE001 - the step builds it again in apply_masks, which fails that request alone
+            log.debug("building a mask ahead failed; the step will retry it", exc_info=True)
+
+
 class GuidedRegistry:
     """The core's grammars, shared across requests by key, least recently used dropped past `capacity`
     (requests still holding a dropped runtime keep it until they finish)."""
@@ -320,6 +502,36 @@ class GuidedRegistry:
         self.device = device
         self.capacity = capacity
         self._runtimes: OrderedDict[str, GrammarRuntime] = OrderedDict()
+        # One helper thread builds masks while the forward runs (torch ops release the GIL). Its first job is
+        # the vocabulary's plain split and Python arrays (about a second), so no step waits for them whole.
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="guided-ahead")
+        self._ahead.submit(self._prepare_vocab)
+        self.ahead_wait_s = 0.0  # what steps waited for masks still being built ahead, in all
+        self.ahead_wait_max_s = 0.0
+        self.num_ahead = 0  # steps that built masks ahead
+
+    def _prepare_vocab(self) -> None:
+        self.vocab.plain_split()
+        self.vocab.py_arrays()
+
+    def build_ahead(self, states: list[GuidedState]) -> Future | None:
+        """Start building, on the helper thread, the masks `states` will need in this step and do not have
+        yet (None if all are cached). The caller must wait_ahead before it touches any grammar again."""
+        todo = [s for s in states if not s.runtime.has_mask(s.config)]
+        if not todo:
+            return None
+        self.num_ahead += 1
+        return self._ahead.submit(_build_masks, todo)
+
+    def wait_ahead(self, future: Future) -> None:
+        began = time.perf_counter()
+        future.result()
+        waited = time.perf_counter() - began
+        self.ahead_wait_s += waited
+        self.ahead_wait_max_s = max(self.ahead_wait_max_s, waited)
+
+    def close(self) -> None:
+        self._ahead.shutdown(wait=True, cancel_futures=True)
 
     def state_for(self, compiled: CompiledGrammar) -> GuidedState:
         runtime = self._runtimes.get(compiled.key)

@@ -9,13 +9,26 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
+import threading
 import time
 
 import torch
 
 log = logging.getLogger("rawserve.engine")
+# The plain split and the Python arrays are built once, by whichever thread asks first (the registry's helper
+# thread at start, or a step that cannot wait for it); the other waits rather than building them again.
+_LAZY_LOCK = threading.Lock()
 
 _FORMAT = 1  # bump when the cached layout changes
+# A plain character: one whole UTF-8 character that a JSON string may hold unescaped (no `"`, `\\`, control or
+# surrogate). Most of a vocabulary is made of them, and a string body takes every one alike.
+_PLAIN_CHAR = (rb"[\x20\x21\x23-\x5b\x5d-\x7f]|[\xc2-\xdf][\x80-\xbf]|\xe0[\xa0-\xbf][\x80-\xbf]"
+               rb"|[\xe1-\xec\xee\xef][\x80-\xbf]{2}|\xed[\x80-\x9f][\x80-\xbf]|\xf0[\x90-\xbf][\x80-\xbf]{2}"
+               rb"|[\xf1-\xf3][\x80-\xbf]{3}|\xf4[\x80-\x8f][\x80-\xbf]{2}")
+# Plain characters a token's prefix is cut to (longer ones keep the rest as their tail): a chain of counted
+# configurations (maxLength) is followed this far, and almost every token is shorter.
+PLAIN_MAX_CHARS = 16
 
 
 class VocabIndex:
@@ -96,6 +109,34 @@ class VocabIndex:
         self.flat_byte = torch.cat(self.node_byte)
         self.flat_token = torch.cat(self.node_token)
 
+    def py_arrays(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(byte, first child, child count, token) per node in the flat numbering, as Python lists: a walk in
+        Python over a few alive nodes costs microseconds where each tensor op costs several."""
+        arrays = getattr(self, "_py", None)
+        if arrays is not None:
+            return arrays
+        with _LAZY_LOCK:
+            arrays = getattr(self, "_py", None)
+            if arrays is not None:
+                return arrays
+            offsets = self.level_offsets
+            first = [start + offsets[d + 1] for d, start in enumerate(self.child_start)]
+            arrays = (self.flat_byte.tolist(), torch.cat(first).tolist(), torch.cat(self.child_count).tolist(),
+                      self.flat_token.tolist())
+            self._py = arrays
+        return arrays
+
+    def plain_split(self) -> PlainSplit:
+        """The vocabulary split into plain-character prefixes and tails (built once, about a second)."""
+        split = getattr(self, "_plain", None)
+        if split is not None:
+            return split
+        with _LAZY_LOCK:
+            split = getattr(self, "_plain", None)
+            if split is None:
+                split = self._plain = PlainSplit(self)
+        return split
+
     # ----- disk cache
 
     def state_dict(self) -> dict:
@@ -118,6 +159,64 @@ class VocabIndex:
         self.special_set = frozenset(self.special_ids)
         self._flatten()
         return self
+
+
+class PlainSplit:
+    """Every token as P + R: P its longest prefix of at most PLAIN_MAX_CHARS plain characters, R the rest.
+
+    A configuration that every plain character moves alike (a JSON string body, counted or not) then needs no
+    walk over P: tokens with an empty R are allowed by their character count alone (`by_chars`, a prefix of
+    token ids sorted by count), and only the distinct tails R, a small trie, are walked.
+    """
+
+    def __init__(self, vocab: VocabIndex) -> None:
+        char = re.compile(_PLAIN_CHAR)
+        prefix = re.compile(rb"(?:" + _PLAIN_CHAR + rb"){0,%d}" % PLAIN_MAX_CHARS)
+        skip = vocab.special_set
+        counted: list[tuple[int, int]] = []  # (chars, token) of tokens that are P alone
+        # the tails' trie: children[node] byte -> node; tails[node] chars of P -> token ids ending there
+        self.children: list[dict[int, int]] = [{}]
+        self.tails: list[dict[int, list[int]] | None] = [None]
+        for token_id, data in enumerate(vocab.token_bytes):
+            if not data or token_id in skip:
+                continue
+            head = prefix.match(data).end()
+            num_chars = len(char.findall(data, 0, head)) if head else 0
+            if head == len(data):
+                counted.append((num_chars, token_id))
+                continue
+            node = 0
+            for byte in data[head:]:
+                nxt = self.children[node].get(byte)
+                if nxt is None:
+                    nxt = self.children[node][byte] = len(self.children)
+                    self.children.append({})
+                    self.tails.append(None)
+                node = nxt
+            groups = self.tails[node]
+            if groups is None:
+                groups = self.tails[node] = {}
+            groups.setdefault(num_chars, []).append(token_id)
+        counted.sort()
+        self.by_chars = torch.tensor([t for _, t in counted], dtype=torch.int64)
+        # num_upto[n]: tokens of at most n plain characters (P alone), a prefix of by_chars
+        self.num_upto = [0] * (PLAIN_MAX_CHARS + 1)
+        for n, _ in counted:
+            self.num_upto[n] += 1
+        for n in range(1, PLAIN_MAX_CHARS + 1):
+            self.num_upto[n] += self.num_upto[n - 1]
+        self.all_tails = [None if g is None else [t for ids in g.values() for t in ids] for g in self.tails]
+        self._masks: dict[int, torch.Tensor] = {}
+        self.vocab_size = vocab.vocab_size
+
+    def mask_upto(self, n: int) -> torch.Tensor:
+        """[V] bool: the tokens that are 1..n plain characters and nothing else (kept per n, 150 KB each)."""
+        mask = self._masks.get(n)
+        if mask is None:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[self.by_chars[:self.num_upto[n]]] = True
+            self._masks[n] = mask
+        return mask
 
 
 def _cache_path(model_dir: pathlib.Path, key: str) -> list[pathlib.Path]:
