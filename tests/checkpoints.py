@@ -55,3 +55,128 @@ def load_hf_model(directory: str | pathlib.Path, dtype: str = "float32"):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
     return model.eval()
+
+
+# ---- a Qwen3-shaped tokenizer built here, for tests that need its shape and not its trained data ----------------
+
+# Qwen2/2.5/3's added tokens (ids 151643..151668) and which of them are special; the texts, ids and flags of a
+# published Qwen3 checkpoint, so a test that names an id (151645 <|im_end|>, 151667 <think>) reads the same here.
+QWEN_ADDED_TOKENS = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
+    ("<think>", False), ("</think>", False),
+)
+QWEN_REGULAR_TOKENS = 151643
+QWEN_VOCAB_SIZE = 151936  # the embedding rows of a Qwen3 config: the 151,669 tokens padded
+# Qwen2's pre-tokenizer split (public, in every Qwen tokenizer.json).
+_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (printable bytes stand for themselves, the rest from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    symbol = {b: chr(b) for b in printable}
+    for b in range(256):
+        if b not in symbol:
+            symbol[b] = chr(256 + len(symbol) - len(printable))
+    return symbol
+
+
+def qwen_like_vocab(num_merges: int = QWEN_REGULAR_TOKENS - 256) -> tuple[list[str], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary of 256 + `num_merges` tokens and its merges, the same every run: the demo
+    tokenizer's merges trained on rawserve's packaged corpus (so English splits into words), runs of 2..128
+    spaces (Qwen's longest token is 128 spaces), the CJK characters U+4E00..U+9FFF whole, every pair of bytes
+    (tokens that hold part of a UTF-8 character), words of up to 3 letters, then printable ASCII triples until the count is reached."""
+    from rawserve.demo_model import corpus_texts, train_tokenizer
+
+    to_symbol = _byte_symbols()
+    vocab = sorted(to_symbol.values())  # ids 0..255 in the order byte-level vocabularies use ("!" is 0)
+    known = set(vocab)
+    merges: list[tuple[str, str]] = []
+
+    def add(left: str, right: str) -> None:
+        token = left + right
+        if len(merges) < num_merges and token not in known and left in known and right in known:
+            known.add(token)
+            vocab.append(token)
+            merges.append((left, right))
+
+    trained = json.loads(train_tokenizer([text for _, text in corpus_texts()], vocab_size=20000).to_str())["model"]["merges"]
+    for left, right in (m.split(" ", 1) if isinstance(m, str) else m for m in trained):
+        add(left, right)
+    space = to_symbol[0x20]
+    for n in range(1, 128):
+        add(space * n, space)
+    # A CJK character's lead pair and then the whole character rank before the other byte pairs, so BPE builds
+    # it from the front (its tail pair would otherwise merge first and leave the lead byte alone).
+    cjk = [[to_symbol[b] for b in chr(cp).encode("utf-8")] for cp in range(0x4E00, 0xA000)]
+    for first, second, _ in cjk:
+        add(first, second)
+    for first, second, third in cjk:
+        add(first + second, third)
+    for a in range(256):
+        for b in range(256):
+            add(to_symbol[a], to_symbol[b])
+    # Lowercase words of up to 3 letters, with and without a leading space, whole: English and JSON keys take
+    # about as many tokens as with Qwen's vocabulary, so a prompt that fits Qwen3's context fits this one.
+    lower, upper = "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    for lead in (space, ""):
+        for a in lower + upper:
+            for b in lower:
+                add(lead + a, b)
+        for a in lower + upper:
+            for b in lower:
+                for c in lower:
+                    add(lead + a + b, c)
+    ascii_symbols = [to_symbol[b] for b in range(0x20, 0x7F)]
+    for a in ascii_symbols:
+        for b in ascii_symbols:
+            for c in ascii_symbols:
+                if len(merges) == num_merges:
+                    return vocab, merges
+                add(a + b, c)
+    raise ValueError(f"cannot reach {num_merges} merges")
+
+
+def write_qwen_like_tokenizer(directory: str | pathlib.Path, chat_template: str | None = None) -> pathlib.Path:
+    """tokenizer.json and tokenizer_config.json of a Qwen3-shaped tokenizer built here, with no trained data
+    beyond rawserve's corpus: Qwen2's pipeline (NFC, Qwen2's split, byte-level BPE), 151,643 regular tokens and
+    Qwen3's 26 added tokens at Qwen3's ids with Qwen3's special flags; the demo's ChatML template by default
+    (tools, <tool_call>, reasoning_content, enable_thinking). Its ids for text are not Qwen3's."""
+    from rawserve.demo_model import chat_template as demo_chat_template
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab, merges = qwen_like_vocab()
+    added = [{"id": QWEN_REGULAR_TOKENS + i, "content": text, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": special}
+             for i, (text, special) in enumerate(QWEN_ADDED_TOKENS)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    data = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _QWEN_SPLIT}, "behavior": "Isolated", "invert": False},
+            byte_level]},
+        "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {token: i for i, token in enumerate(vocab)}, "merges": [list(m) for m in merges]},
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    decoder = {str(entry["id"]): {k: entry[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
+                                                        "special")} for entry in added}
+    config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,
+              "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
+              "chat_template": demo_chat_template() if chat_template is None else chat_template,
+              "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+              "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                                     encoding="utf-8")
+    return directory

@@ -1,4 +1,5 @@
-"""Shared test fixtures: paths to ../shared/fixtures, tiny checkpoint builders and a numpy-less environment for
+"""Shared test fixtures: paths to ../shared/fixtures (RAWSERVE_TEST_FIXTURES overrides), tiny checkpoint builders
+(a Qwen3-shaped tokenizer and checkpoint built without fixtures) and a numpy-less environment for
 subprocesses; and the run's exit hook (pytest_unconfigure)."""
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIXTURES = ROOT.parent / "shared" / "fixtures"
+# RAWSERVE_TEST_FIXTURES points the tests elsewhere (a missing path shows what a fresh clone runs).
+FIXTURES = pathlib.Path(os.environ.get("RAWSERVE_TEST_FIXTURES") or ROOT.parent / "shared" / "fixtures")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -67,19 +69,44 @@ def tiny_qwen3_dir(tmp_path_factory) -> pathlib.Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
 
 
-@pytest.fixture(scope="session")
-def qwen3_real_tokenizer_dir(tmp_path_factory) -> pathlib.Path:
-    """A tiny random Qwen3 (hidden 32) with the real Qwen3 tokenizer, template and 151,936-row vocabulary."""
+def tiny_qwen3_with_tokenizer(directory: pathlib.Path, tokenizer_dir: pathlib.Path,
+                               max_positions: int = 2048) -> pathlib.Path:
+    """A tiny random Qwen3 (hidden 32) with Qwen3's 151,936-row embedding, eos and generation_config, and the
+    tokenizer files of `tokenizer_dir`."""
     import json
     import shutil
 
     from tests.checkpoints import make_hf_checkpoint
 
-    source = fixture_path("qwen3-tokenizer")
-    directory = make_hf_checkpoint(tmp_path_factory.mktemp("qwen3-real-tok"), "qwen3", tied=True,
-                                   vocab_size=151936, hidden_size=32, intermediate_size=64, head_dim=16,
-                                   bos_token_id=None, eos_token_id=151645, max_position_embeddings=2048)
+    make_hf_checkpoint(directory, "qwen3", tied=True, vocab_size=151936, hidden_size=32, intermediate_size=64,
+                       head_dim=16, bos_token_id=None, eos_token_id=151645, max_position_embeddings=max_positions)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
-        shutil.copy(source / name, directory / name)
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     return directory
+
+
+@pytest.fixture(scope="session")
+def qwen3_real_tokenizer_dir(tmp_path_factory) -> pathlib.Path:
+    """A tiny random Qwen3 (hidden 32) with the real Qwen3 tokenizer, template and 151,936-row vocabulary."""
+    source = fixture_path("qwen3-tokenizer")
+    return tiny_qwen3_with_tokenizer(tmp_path_factory.mktemp("qwen3-real-tok"), source)
+
+
+@pytest.fixture(scope="session")
+def large_vocab_tokenizer_dir(tmp_path_factory) -> pathlib.Path:
+    """A Qwen3-shaped tokenizer built here (tests/checkpoints.write_qwen_like_tokenizer): 151,669 byte-level BPE
+    tokens, Qwen3's added tokens at Qwen3's ids and flags, the demo's ChatML template. Needs no fixtures."""
+    from tests.checkpoints import write_qwen_like_tokenizer
+
+    return write_qwen_like_tokenizer(tmp_path_factory.mktemp("large-vocab-tok"))
+
+
+@pytest.fixture(scope="session")
+def large_vocab_model_dir(tmp_path_factory, large_vocab_tokenizer_dir) -> pathlib.Path:
+    """qwen3_real_tokenizer_dir's shape with the built tokenizer: for tests of a checkpoint of that shape (a
+    151,936-row vocabulary, marker tokens, ChatML) that need no real tokenizer's ids. 4,096 positions: its
+    vocabulary, trained on little text, takes up to 1.5x Qwen3's tokens for English and JSON."""
+    return tiny_qwen3_with_tokenizer(tmp_path_factory.mktemp("large-vocab-model"), large_vocab_tokenizer_dir,
+                                      max_positions=4096)

@@ -1,8 +1,9 @@
 """Tiny random embedding and rerank checkpoints for tests, written by transformers and laid out as the published ones
-are: Qwen3-Embedding-shaped (a bare Qwen3Model's tensors, the real Qwen3 tokenizer appending <|endoftext|>,
+are: Qwen3-Embedding-shaped (a bare Qwen3Model's tensors, a Qwen3-layout tokenizer appending <|endoftext|>,
 sentence-transformers' last-token pooling and Normalize), bge-small-shaped (BertModel, a WordPiece tokenizer built
 here, CLS pooling and Normalize), bge-reranker-shaped (XLMRobertaForSequenceClassification, 1 label) and
-Qwen3-Reranker-shaped (Qwen3ForCausalLM with the real tokenizer). No hub downloads.
+Qwen3-Reranker-shaped (Qwen3ForCausalLM with a Qwen3-layout tokenizer). No hub downloads. The Qwen3-layout
+tokenizer is the one tests/checkpoints.py builds (or any given one: the real Qwen3 tokenizer gives the same shapes).
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 import pathlib
 import shutil
 
-from tests.conftest import fixture_path
 
 # Words the WordPiece vocabulary holds (whole, and as ## pieces of a few), so test sentences tokenize to real ids.
 WORDS = ("the quick brown fox jumps over lazy dog what is capital of china beijing gravity force attracts "
@@ -47,12 +47,20 @@ def _perturb(model, seed: int) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
 
 
-def _qwen3_tokenizer(directory: pathlib.Path, append_eos: bool) -> None:
+def _qwen3_tokenizer(directory: pathlib.Path, append_eos: bool, source: pathlib.Path | None) -> None:
+    """Copy the Qwen3-layout tokenizer in `source` (None: build one, tests/checkpoints.write_qwen_like_tokenizer)."""
     from tokenizers import Tokenizer, processors
 
-    source = fixture_path("qwen3-tokenizer")
+    if source is None:
+        import tempfile
+
+        from tests.checkpoints import write_qwen_like_tokenizer
+
+        with tempfile.TemporaryDirectory() as built:
+            return _qwen3_tokenizer(directory, append_eos, write_qwen_like_tokenizer(built))
     for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
-        shutil.copy(source / name, directory / name)
+        if (source / name).exists():
+            shutil.copy(source / name, directory / name)
     tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
     if append_eos:  # Qwen3-Embedding's tokenizer ends every input with <|endoftext|>, the token it pools
         eos = tokenizer.token_to_id("<|endoftext|>")
@@ -64,7 +72,8 @@ def _qwen3_tokenizer(directory: pathlib.Path, append_eos: bool) -> None:
 
 def make_qwen3_embedding(directory: str | pathlib.Path, *, hidden_size: int = 64, num_layers: int = 2,
                          intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                         pooling: str = "last", seed: int = 0) -> pathlib.Path:
+                         pooling: str = "last", seed: int = 0,
+                         tokenizer_dir: pathlib.Path | None = None) -> pathlib.Path:
     import torch
     import transformers
 
@@ -81,12 +90,13 @@ def make_qwen3_embedding(directory: str | pathlib.Path, *, hidden_size: int = 64
     raw = json.loads((directory / "config.json").read_text())
     raw["architectures"] = ["Qwen3ForCausalLM"]  # as Qwen3-Embedding's config.json says, over bare-model tensors
     (directory / "config.json").write_text(json.dumps(raw))
-    _qwen3_tokenizer(directory, append_eos=True)
+    _qwen3_tokenizer(directory, append_eos=True, source=tokenizer_dir)
     _sentence_transformers_files(directory, hidden_size, pooling, normalize=True)
     return directory
 
 
-def make_qwen3_reranker(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+def make_qwen3_reranker(directory: str | pathlib.Path, *, seed: int = 0,
+                        tokenizer_dir: pathlib.Path | None = None) -> pathlib.Path:
     import torch
     import transformers
 
@@ -101,7 +111,7 @@ def make_qwen3_reranker(directory: str | pathlib.Path, *, seed: int = 0) -> path
     with torch.no_grad():  # the yes/no rows apart from the rest, so their logits differ by document
         model.model.embed_tokens.weight.mul_(4.0)
     model.save_pretrained(directory, safe_serialization=True)
-    _qwen3_tokenizer(directory, append_eos=False)
+    _qwen3_tokenizer(directory, append_eos=False, source=tokenizer_dir)
     return directory
 
 

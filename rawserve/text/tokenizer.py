@@ -270,6 +270,12 @@ class Tokenizer:
             if floor > max_tokens:
                 raise TooManyTokens(floor, at_least=True)
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A sentence pair through the tokenizer's pair template (a cross-encoder's query and document) ->
+        (ids, token type ids)."""
+        encoding = self._tok.encode(first, second, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts at once; the Rust side runs them in parallel without the GIL."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]

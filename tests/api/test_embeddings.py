@@ -64,8 +64,8 @@ def as_tensor(response) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return make_qwen3_embedding(tmp_path_factory.mktemp("qwen3-embedding"))
+def qwen3_dir(tmp_path_factory, large_vocab_tokenizer_dir):
+    return make_qwen3_embedding(tmp_path_factory.mktemp("qwen3-embedding"), tokenizer_dir=large_vocab_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -225,12 +225,12 @@ def test_bge_reranker_scores_equal_the_cross_encoder(tmp_path):
         srv.stop()
 
 
-def test_qwen3_reranker_scores_are_its_yes_no_softmax(tmp_path):
+def test_qwen3_reranker_scores_are_its_yes_no_softmax(tmp_path, large_vocab_tokenizer_dir):
     import transformers
 
     from rawserve.engine.pooling import QWEN3_RERANK_INSTRUCTION, QWEN3_RERANK_PREFIX, QWEN3_RERANK_SUFFIX
 
-    model_dir = make_qwen3_reranker(tmp_path / "qwen3-reranker")
+    model_dir = make_qwen3_reranker(tmp_path / "qwen3-reranker", tokenizer_dir=large_vocab_tokenizer_dir)
     query = "What is the capital of China?"
     docs = ["The capital of China is Beijing.", "Gravity is a force that attracts two bodies.", "hello"]
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)

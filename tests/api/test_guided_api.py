@@ -1,6 +1,7 @@
 """Structured output through the real server (engine core in a spawned process) with the official openai SDK,
-on a random-weight Qwen3 with the real tokenizer: parse() with a Pydantic model, json_object, forced and
-named tool calls streamed and not, GBNF, regex and choice; bad constraints get a 400 naming the field."""
+on a random-weight Qwen3 with a Qwen3-shaped tokenizer built in tests/conftest.py (no fixtures needed): parse()
+with a Pydantic model, json_object, forced and named tool calls streamed and not, GBNF, regex and choice; bad
+constraints get a 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -40,8 +41,8 @@ class Weather(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_real_tokenizer_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=512,
+def server(large_vocab_model_dir):
+    srv = ServerThread(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=512,
                                     max_model_len=2048),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="process", api_key=[]))
     yield srv
@@ -201,8 +202,8 @@ def test_a_bad_schema_does_not_disturb_a_running_stream(client, server):
     assert rest[-1].choices[0].finish_reason == "length"
 
 
-def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(qwen3_real_tokenizer_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
+def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(large_vocab_model_dir):
+    srv = ServerThread(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=64,
                                     max_model_len=512),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[]))
     try:
@@ -251,8 +252,8 @@ def compile_workers() -> set[int]:
     return {p.pid for p in multiprocessing.active_children() if p.name == "rawserve-compile"}
 
 
-def test_a_compile_past_its_deadline_is_a_400_and_its_worker_is_replaced(qwen3_real_tokenizer_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
+def test_a_compile_past_its_deadline_is_a_400_and_its_worker_is_replaced(large_vocab_model_dir):
+    srv = ServerThread(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=64,
                                     max_model_len=512),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[],
                                     guided_compile_timeout_s=0.3, guided_compile_workers=1))

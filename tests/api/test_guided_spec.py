@@ -13,9 +13,12 @@ from tests.conftest import fixture_path
 SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(fixture_path("qwen3-tokenizer"))
+# Qwen3's <think> and </think>: the tokenizer built in tests/conftest.py and, where present, the real one.
+@pytest.fixture(scope="module", params=["large_vocab", "qwen3"])
+def tok(request):
+    if request.param == "qwen3":
+        return Tokenizer.from_dir(fixture_path("qwen3-tokenizer"))
+    return Tokenizer.from_dir(request.getfixturevalue("large_vocab_tokenizer_dir"))
 
 
 def test_think_mode_follows_the_rendered_prompt():

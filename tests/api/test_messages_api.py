@@ -1,5 +1,5 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) through the official anthropic SDK and raw
-sockets, on a tiny random Qwen3 with the real tokenizer and template (tools, thinking): outputs are random, so the
+sockets, on a tiny random Qwen3 with a Qwen3-shaped tokenizer built here and the demo's ChatML template (tools, thinking): outputs are random, so the
 tests force what they check through guided decoding (tool_choice, guided_grammar) and assert structure, event order,
 token counts and bytes, not content."""
 from __future__ import annotations
@@ -41,9 +41,9 @@ THINK_GRAMMAR = 'root ::= <think> "first plan, then answer" </think> "\\n\\n" ("
 
 
 @pytest.fixture(scope="module")
-def server(qwen3_real_tokenizer_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=512,
-                                    max_model_len=2048),
+def server(large_vocab_model_dir):
+    srv = ServerThread(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=512,
+                                    max_model_len=4096),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[KEY],
                                     reasoning_parser="qwen3", max_body_bytes=1 << 20))
     yield srv

@@ -30,18 +30,12 @@ MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    import shutil
+def server(tmp_path_factory, large_vocab_tokenizer_dir):
+    from tests.conftest import tiny_qwen3_with_tokenizer
 
-    from tests.checkpoints import make_hf_checkpoint
-
-    directory = make_hf_checkpoint(tmp_path_factory.mktemp("special-markers-model"), "qwen3", tied=True,
-                                   vocab_size=151936, hidden_size=32, intermediate_size=64, head_dim=16,
-                                   bos_token_id=None, eos_token_id=151645, max_position_embeddings=2048)
-    tokenizer_dir = special_markers_tokenizer(tmp_path_factory.mktemp("special-markers-tok"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
-        shutil.copy(tokenizer_dir / name, directory / name)
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    tokenizer_dir = special_markers_tokenizer(tmp_path_factory.mktemp("special-markers-tok"),
+                                              large_vocab_tokenizer_dir)
+    directory = tiny_qwen3_with_tokenizer(tmp_path_factory.mktemp("special-markers-model"), tokenizer_dir)
     srv = ServerThread(EngineConfig(model_dir=str(directory), device="cpu", num_kv_blocks=128, max_model_len=1024),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[],
                                     reasoning_parser="qwen3"))

@@ -21,7 +21,6 @@ from rawserve.engine.guided.automaton import Automaton
 from rawserve.engine.guided.grammar import GrammarError, accepts, symbols
 from rawserve.errors import APIError
 from rawserve.text.tokenizer import Tokenizer
-from tests.conftest import fixture_path
 
 VOCAB = Vocabulary({}, 1000)
 REFUSE_S = 0.25  # CPU seconds for a refusal counted while building (0.5-1 s of building before the fix)
@@ -167,8 +166,8 @@ async def test_a_call_that_finds_every_worker_busy_past_its_wait_is_refused():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(fixture_path("qwen3-tokenizer"))
+def tok(large_vocab_tokenizer_dir):
+    return Tokenizer.from_dir(large_vocab_tokenizer_dir)  # a 151,669-token vocabulary, built: no fixtures needed
 
 
 async def test_a_compile_past_its_deadline_is_a_400_and_later_compiles_still_work(tok):

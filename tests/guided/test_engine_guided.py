@@ -1,6 +1,7 @@
-"""Guided decoding through EngineCore on a random-weight model with the real Qwen3 tokenizer: every output
-of many seeds matches its regex / validates against its schema; forced tool calls parse; unconstrained
-rows in the same batch are untouched; preemption changes nothing."""
+"""Guided decoding through EngineCore on a random-weight model with a Qwen3-shaped 151,669-token tokenizer (built
+in tests/conftest.py, so it runs without ../shared/fixtures): every output of many seeds matches its regex /
+validates against its schema; forced tool calls parse; unconstrained rows in the same batch are untouched;
+preemption changes nothing."""
 from __future__ import annotations
 
 import json
@@ -33,14 +34,14 @@ NESTED = {"type": "object", "properties": {
 
 
 @pytest.fixture(scope="module")
-def core(qwen3_real_tokenizer_dir):
-    return EngineCore(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=512,
+def core(large_vocab_model_dir):
+    return EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=512,
                                    max_model_len=1024))
 
 
 @pytest.fixture(scope="module")
-def tok(qwen3_real_tokenizer_dir):
-    return Tokenizer.from_dir(qwen3_real_tokenizer_dir)
+def tok(large_vocab_model_dir):
+    return Tokenizer.from_dir(large_vocab_model_dir)
 
 
 def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], str]]:
@@ -134,12 +135,12 @@ def test_unconstrained_rows_in_a_constrained_batch_are_untouched(core, tok):
         assert re.fullmatch(r"[0-9]{5}", text_of(tok, mixed[f"g{s}"][0]))
 
 
-def test_greedy_guided_output_survives_preemption(qwen3_real_tokenizer_dir, tok):
+def test_greedy_guided_output_survives_preemption(large_vocab_model_dir, tok):
     compiled = compile_grammar(Grammar({"root": parse_regex(r"[a-z ]{100,120}\.")}), "words")
     prompt = tok.encode("Once upon a time there was a")
 
     def go(num_blocks: int) -> dict:
-        small = EngineCore(EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", block_size=4,
+        small = EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", block_size=4,
                                         num_kv_blocks=num_blocks, max_model_len=256))
         outs = run(small, {f"p{i}": (prompt + [i + 100], SamplingParams(max_tokens=50, temperature=0,
                                                                          guided=compiled)) for i in range(6)})
@@ -158,7 +159,7 @@ def test_max_tokens_cuts_a_constrained_output_with_length(core, tok):
     assert reason == "length" and len(ids) == 3 and ("x" * 50).startswith(text_of(tok, ids))
 
 
-def test_the_vocabulary_index_is_read_at_the_first_guided_request_once_cached(qwen3_real_tokenizer_dir, tok,
+def test_the_vocabulary_index_is_read_at_the_first_guided_request_once_cached(large_vocab_model_dir, tok,
                                                                               tmp_path, monkeypatch):
     """A core whose tokenizer's index is on disk does not hold it (~35 MiB) until a guided request needs it; one
     with nowhere to cache it builds it at start and keeps it, so no step ever waits seconds for the build."""
@@ -166,10 +167,10 @@ def test_the_vocabulary_index_is_read_at_the_first_guided_request_once_cached(qw
     from rawserve.engine.loader import read_model_config
 
     compiled = compile_grammar(Grammar({"root": parse_regex(r"[0-9]{3}")}), "three")
-    config = EngineConfig(model_dir=str(qwen3_real_tokenizer_dir), device="cpu", num_kv_blocks=64,
+    config = EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=64,
                           max_model_len=256)
-    vocab_size = read_model_config(qwen3_real_tokenizer_dir).vocab_size
-    vocab.load_vocab_index(qwen3_real_tokenizer_dir, vocab_size)  # the cache exists now
+    vocab_size = read_model_config(large_vocab_model_dir).vocab_size
+    vocab.load_vocab_index(large_vocab_model_dir, vocab_size)  # the cache exists now
     lazy = EngineCore(config)
     assert lazy._guided is None
     outs = run(lazy, {"g": (tok.encode("Count:"), SamplingParams(max_tokens=8, temperature=0, guided=compiled))})

@@ -33,7 +33,7 @@ def test_all_sampling_fields_are_read_with_their_types(tmp_path):
     assert defaults.eos_token_ids == (7,)
 
 
-def test_eos_falls_back_to_config_json_then_to_the_tokenizer(tmp_path):
+def test_eos_falls_back_to_config_json_then_to_the_tokenizer(tmp_path, large_vocab_tokenizer_dir):
     _write(tmp_path, "generation_config.json", {"temperature": 0.7})
     _write(tmp_path, "config.json", {"eos_token_id": [2, 3, 2]})
     assert GenerationDefaults.from_dir(tmp_path).eos_token_ids == (2, 3)
@@ -41,12 +41,12 @@ def test_eos_falls_back_to_config_json_then_to_the_tokenizer(tmp_path):
     assert GenerationDefaults.from_dir(tmp_path).eos_token_ids == (9,)
     _write(tmp_path, "config.json", {})
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(fixture_path("qwen3-tokenizer", name), tmp_path / name)
+        shutil.copy(large_vocab_tokenizer_dir / name, tmp_path / name)
     assert GenerationDefaults.from_dir(tmp_path).eos_token_ids == (151645,)
 
 
-def test_given_tokenizer_is_used_for_the_eos_fallback(tmp_path, qwen3_tokenizer):
-    assert GenerationDefaults.from_dir(tmp_path, qwen3_tokenizer) == GenerationDefaults(eos_token_ids=(151645,))
+def test_given_tokenizer_is_used_for_the_eos_fallback(tmp_path, large_vocab_tokenizer):
+    assert GenerationDefaults.from_dir(tmp_path, large_vocab_tokenizer) == GenerationDefaults(eos_token_ids=(151645,))
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults()  # nothing at all: no defaults
 
 

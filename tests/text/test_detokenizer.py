@@ -1,4 +1,5 @@
-"""Incremental detokenizer against the real tokenizers: exact at every boundary, never a split character."""
+"""Incremental detokenizer against the real tokenizers and the Qwen3-shaped one built in tests/conftest.py (which
+runs without ../shared/fixtures): exact at every boundary, never a split character."""
 from __future__ import annotations
 
 import time
@@ -58,10 +59,15 @@ def _check_random_ids(tokenizer, ids: list[int], cuts: list[int], skip: bool, mo
     assert emitted + detok.flush() == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
+# Byte-level BPE with a 151,669-token vocabulary: the built one in every clone, the real Qwen3 one where it is.
+BYTE_LEVEL_QWEN = ["large_vocab_tokenizer", "qwen3_tokenizer"]
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL_QWEN)
 @SETTINGS
 @given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=8))
-def test_qwen3_valid_text_never_yields_a_replacement_character(qwen3_tokenizer, text, cuts):
-    _check_valid_text(qwen3_tokenizer, text, cuts)
+def test_qwen3_valid_text_never_yields_a_replacement_character(request, name, text, cuts):
+    _check_valid_text(request.getfixturevalue(name), text, cuts)
 
 
 @SETTINGS
@@ -81,12 +87,7 @@ def _pool(tokenizer) -> list[int]:
     return _POOLS[id(tokenizer)]
 
 
-@pytest.fixture(scope="module")
-def qwen3_pool(qwen3_tokenizer) -> list[int]:
-    return _pool(qwen3_tokenizer)
-
-
-@pytest.mark.parametrize("name", ["qwen3_tokenizer", "llama3_tokenizer"])
+@pytest.mark.parametrize("name", [*BYTE_LEVEL_QWEN, "llama3_tokenizer"])
 @SETTINGS
 @given(data=st.data(), cuts=st.lists(st.integers(0, 200), max_size=10), skip=st.booleans())
 def test_byte_level_random_ids_concatenate_to_the_full_decode_at_every_boundary(request, name, data, cuts, skip):
@@ -96,12 +97,14 @@ def test_byte_level_random_ids_concatenate_to_the_full_decode_at_every_boundary(
     _check_random_ids(tokenizer, ids, cuts, skip)
 
 
+@pytest.mark.parametrize("name", BYTE_LEVEL_QWEN)
 @SETTINGS
 @given(data=st.data(), cuts=st.lists(st.integers(0, 200), max_size=10), skip=st.booleans())
-def test_window_mode_matches_the_full_decode_for_byte_level(qwen3_tokenizer, qwen3_pool, data, cuts, skip):
-    ids = data.draw(st.lists(st.one_of(st.integers(0, qwen3_tokenizer.vocab_size + 300), st.sampled_from(qwen3_pool)),
+def test_window_mode_matches_the_full_decode_for_byte_level(request, name, data, cuts, skip):
+    tokenizer = request.getfixturevalue(name)
+    ids = data.draw(st.lists(st.one_of(st.integers(0, tokenizer.vocab_size + 300), st.sampled_from(_pool(tokenizer))),
                              max_size=16))
-    _check_random_ids(qwen3_tokenizer, ids, cuts, skip, mode=WINDOW)
+    _check_random_ids(tokenizer, ids, cuts, skip, mode=WINDOW)
 
 
 @SETTINGS
@@ -112,28 +115,38 @@ def test_byte_fallback_random_ids_concatenate_to_the_full_decode(stories_tokeniz
     _check_random_ids(stories_tokenizer, ids, cuts, skip)
 
 
-def test_a_character_split_across_tokens_is_emitted_once_complete(qwen3_tokenizer):
-    ids = qwen3_tokenizer.encode("a𠀋b", add_special_tokens=False)
-    detok = IncrementalDetokenizer(qwen3_tokenizer)
+@pytest.mark.parametrize("name", BYTE_LEVEL_QWEN)
+def test_a_character_split_across_tokens_is_emitted_once_complete(request, name):
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode("a𠀋b", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
     deltas = [detok.add([i]) for i in ids] + [detok.flush()]
     assert "".join(deltas) == "a𠀋b"
     assert "𠀋" in deltas and all("\ufffd" not in d for d in deltas)
     assert deltas.index("𠀋") == len(ids) - 2  # held through the partial pieces, out with the last
 
 
-def test_an_incomplete_character_at_the_end_flushes_as_the_full_decode_does(qwen3_tokenizer):
-    ids = qwen3_tokenizer.encode("𝔘", add_special_tokens=False)[:1]  # only the first 3 of 4 bytes
-    detok = IncrementalDetokenizer(qwen3_tokenizer)
+@pytest.mark.parametrize("name", BYTE_LEVEL_QWEN)
+def test_an_incomplete_character_at_the_end_flushes_as_the_full_decode_does(request, name):
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode("𝔘", add_special_tokens=False)
+    assert len(ids) > 1 and len(tokenizer.token_bytes(ids[0])) < 4
+    ids = ids[:1]  # only the first bytes of 4
+    detok = IncrementalDetokenizer(tokenizer)
     assert detok.add(ids) == ""
-    assert detok.flush() == qwen3_tokenizer.decode(ids) == "\ufffd"
+    assert detok.flush() == tokenizer.decode(ids) == "\ufffd"
 
 
-def test_skip_special_tokens_is_honoured(qwen3_tokenizer):
-    ids = [9707, 151645, 1879, 151667, 151643]
+@pytest.mark.parametrize("name", BYTE_LEVEL_QWEN)
+def test_skip_special_tokens_is_honoured(request, name):
+    tokenizer = request.getfixturevalue(name)
+    ids = [*tokenizer.encode("Hello"), 151645, *tokenizer.encode(" world"), 151667, 151643]
+    if name == "qwen3_tokenizer":
+        assert ids == [9707, 151645, 1879, 151667, 151643]
     for skip in (True, False):
-        detok = IncrementalDetokenizer(qwen3_tokenizer, skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
         text = "".join(detok.add([i]) for i in ids) + detok.flush()
-        assert text == qwen3_tokenizer.decode(ids, skip_special_tokens=skip)
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip)
     assert text == "Hello<|im_end|> world<think><|endoftext|>"
 
 
@@ -176,11 +189,13 @@ def _seconds_per_token(tokenizer, ids: list[int], mode: str | None) -> float:
     return best
 
 
+@pytest.mark.parametrize("name", BYTE_LEVEL_QWEN)
 @pytest.mark.parametrize("mode", [None, WINDOW])
-def test_cost_per_token_does_not_grow_with_the_sequence(qwen3_tokenizer, mode):
+def test_cost_per_token_does_not_grow_with_the_sequence(request, name, mode):
+    tokenizer = request.getfixturevalue(name)
     text = "The quick brown fox jumps over the lazy dog. 你好世界 😀 " * 40
-    ids = qwen3_tokenizer.encode(text, add_special_tokens=False)
-    short = _seconds_per_token(qwen3_tokenizer, ids[:300], mode)
-    long = _seconds_per_token(qwen3_tokenizer, (ids * 10)[:6000], mode)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    short = _seconds_per_token(tokenizer, ids[:300], mode)
+    long = _seconds_per_token(tokenizer, (ids * 10)[:6000], mode)
     # Re-decoding the whole sequence would make the long stream ~20x slower per token.
     assert long < 4 * short

@@ -17,13 +17,14 @@ MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
-def special_markers_tokenizer(directory: pathlib.Path, markers: tuple[str, ...] = MARKERS) -> pathlib.Path:
-    """Copy the Qwen3 fixture tokenizer into `directory` with `markers` flipped to special tokens (in
+def special_markers_tokenizer(directory: pathlib.Path, source: pathlib.Path,
+                              markers: tuple[str, ...] = MARKERS) -> pathlib.Path:
+    """Copy the Qwen3-layout tokenizer in `source` into `directory` with `markers` flipped to special tokens (in
     tokenizer.json, which decides, and in tokenizer_config.json's added_tokens_decoder, as a checkpoint has it)."""
-    source = fixture_path("qwen3-tokenizer")
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("vocab.json", "merges.txt"):
-        shutil.copy(source / name, directory / name)
+        if (source / name).exists():
+            shutil.copy(source / name, directory / name)
     data = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
     for token in data["added_tokens"]:
         if token["content"] in markers:
@@ -37,9 +38,14 @@ def special_markers_tokenizer(directory: pathlib.Path, markers: tuple[str, ...] 
     return directory
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.from_dir(special_markers_tokenizer(tmp_path_factory.mktemp("special-markers")))
+# The tokenizer built in tests/conftest.py runs in every clone; the real Qwen3 one where ../shared/fixtures is.
+@pytest.fixture(scope="module", params=["large_vocab", "qwen3"])
+def tok(request, tmp_path_factory) -> Tokenizer:
+    if request.param == "qwen3":
+        source = fixture_path("qwen3-tokenizer")
+    else:
+        source = request.getfixturevalue("large_vocab_tokenizer_dir")
+    return Tokenizer.from_dir(special_markers_tokenizer(tmp_path_factory.mktemp("special-markers"), source))
 
 
 def _ids(tok: Tokenizer, text: str) -> list[int]:

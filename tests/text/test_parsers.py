@@ -175,7 +175,10 @@ def test_arguments_given_as_a_json_string_or_missing_are_normalized():
     assert message["tool_calls"] == [{"name": "f", "arguments": '{"x": 1}'}, {"name": "g", "arguments": "{}"}]
 
 
-def test_reasoning_then_tool_call_with_the_real_qwen3_tokens(qwen3_tokenizer):
+# Qwen3's added tokens at Qwen3's ids: the tokenizer built in tests/conftest.py and, where present, the real one.
+@pytest.mark.parametrize("name", ["large_vocab_tokenizer", "qwen3_tokenizer"])
+def test_reasoning_then_tool_call_with_the_real_qwen3_tokens(request, name):
+    qwen3_tokenizer = request.getfixturevalue(name)
     text = ("<think>\nThe user wants weather in 東京 🌧.\n</think>\n\n"
             + hermes_block("get_weather", {"city": "東京", "unit": "celsius"}))
     ids = qwen3_tokenizer.encode(text)

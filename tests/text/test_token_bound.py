@@ -10,9 +10,12 @@ from rawserve.text.tokenizer import COUNT_WINDOW_CHARS, Tokenizer, TooManyTokens
 from tests.conftest import fixture_path
 
 
-@pytest.fixture(scope="module")
-def qwen3():
-    return Tokenizer.from_file(fixture_path("qwen3-tokenizer", "tokenizer.json"))
+# The Qwen3-shaped tokenizer built in tests/conftest.py (every clone) and the real one (where ../shared/fixtures is).
+@pytest.fixture(scope="module", params=["large_vocab", "qwen3"])
+def qwen3(request):
+    if request.param == "qwen3":
+        return Tokenizer.from_file(fixture_path("qwen3-tokenizer", "tokenizer.json"))
+    return Tokenizer.from_file(request.getfixturevalue("large_vocab_tokenizer_dir") / "tokenizer.json")
 
 
 def words(n: int, seed: int = 0) -> str:
@@ -22,7 +25,7 @@ def words(n: int, seed: int = 0) -> str:
 
 
 def test_a_text_longer_than_limit_times_the_longest_token_is_refused_from_its_length(qwen3):
-    assert qwen3.max_token_chars == 128  # Qwen3's longest token: a run of 128 spaces
+    assert qwen3.max_token_chars == 128  # Qwen3's longest token (and the built one's): a run of 128 spaces
     text = "x" * (1000 * 128 + 1)
     with pytest.raises(TooManyTokens) as refused:
         qwen3.encode(text, max_tokens=1000)

@@ -1,4 +1,5 @@
-"""Tokenizer: reference ids of the real Qwen3 / Llama 3 tokenizers, special ids, bytes, threads."""
+"""Tokenizer: reference ids of the real Qwen3 / Llama 3 tokenizers, special ids, bytes, threads; what needs only a
+Qwen3-shaped tokenizer also runs on the one tests/conftest.py builds (no ../shared/fixtures needed)."""
 from __future__ import annotations
 
 import json
@@ -45,8 +46,13 @@ def test_llama3_adds_bos_only_with_special_tokens(llama3_tokenizer):
     assert llama3_tokenizer.encode("This is a test sentence.") == [128000, 2028, 374, 264, 1296, 11914, 13]
 
 
-def test_special_tokens_and_vocab_sizes_come_from_the_checkpoint(qwen3_tokenizer, llama3_tokenizer, stories_tokenizer):
-    q = qwen3_tokenizer
+# Byte-level BPE in Qwen3's layout: the built one in every clone, the real Qwen3 one where ../shared/fixtures is.
+QWEN_LAYOUT = ["large_vocab_tokenizer", "qwen3_tokenizer"]
+
+
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
+def test_qwen3_layout_special_tokens_and_vocab_size_come_from_the_files(request, name):
+    q = request.getfixturevalue(name)
     assert (q.vocab_size, q.eos_token, q.eos_token_id, q.bos_token, q.bos_token_id) == \
         (151669, "<|im_end|>", 151645, None, None)
     assert q.added_token_ids == frozenset(range(151643, 151669))
@@ -54,6 +60,10 @@ def test_special_tokens_and_vocab_sizes_come_from_the_checkpoint(qwen3_tokenizer
     # <think> and <tool_call> are added but not special: they survive skip_special_tokens.
     assert q.id_to_token(151667) == "<think>" and 151667 not in q.special_token_ids
     assert q.decode([151667, 151668, 151657], skip_special_tokens=True) == "<think></think><tool_call>"
+    assert q.decode_mode == BYTE_LEVEL
+
+
+def test_special_tokens_and_vocab_sizes_come_from_the_checkpoint(llama3_tokenizer, stories_tokenizer):
     ll = llama3_tokenizer
     assert (ll.vocab_size, ll.bos_token_id, ll.eos_token, ll.eos_token_id) == (128256, 128000, "<|eot_id|>", 128009)
     assert len(ll.special_token_ids) == 256
@@ -69,7 +79,9 @@ def test_decode_modes_follow_the_decoder(qwen3_tokenizer, llama3_tokenizer, stor
     assert stories_tokenizer.pieces_strip == (" ", 1)
 
 
-def test_byte_level_vocabulary_covers_every_byte_and_reverses_the_gpt2_map(qwen3_tokenizer):
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
+def test_byte_level_vocabulary_covers_every_byte_and_reverses_the_gpt2_map(request, name):
+    qwen3_tokenizer = request.getfixturevalue(name)
     table = qwen3_tokenizer.vocab_bytes()
     assert len(table) == qwen3_tokenizer.vocab_size
     assert {t for t in table if len(t) == 1} == {bytes([b]) for b in range(256)}
@@ -92,19 +104,24 @@ def test_byte_fallback_and_sentencepiece_pieces_become_bytes(stories_tokenizer):
     assert b"".join(tok.token_bytes(i) for i in ids) == b" Once upon a time"
 
 
-def test_decode_rejects_negative_or_non_integer_ids(qwen3_tokenizer):
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
+def test_decode_rejects_negative_or_non_integer_ids(request, name):
+    qwen3_tokenizer = request.getfixturevalue(name)
     with pytest.raises(ValueError, match="non-negative"):
         qwen3_tokenizer.decode([1, -5])
     with pytest.raises(ValueError, match="non-negative"):
         qwen3_tokenizer.decode(["a"])
     with pytest.raises(ValueError, match="text must be a string"):
         qwen3_tokenizer.encode(b"bytes")  # type: ignore[arg-type]
-    assert qwen3_tokenizer.decode([9707, 999_999]) == "Hello"  # past the vocabulary: skipped, as in tokenizers
+    hello = qwen3_tokenizer.encode("Hello")
+    assert qwen3_tokenizer.decode([*hello, 999_999]) == "Hello"  # past the vocabulary: skipped, as in tokenizers
     with pytest.raises(ValueError, match="non-negative"):
         qwen3_tokenizer.decode([1, True])  # a bool is not an id, though it is an int to Python
 
 
-def test_long_inputs_take_the_batch_calls_with_the_same_results(qwen3_tokenizer):
+@pytest.mark.parametrize("name", QWEN_LAYOUT)
+def test_long_inputs_take_the_batch_calls_with_the_same_results(request, name):
+    qwen3_tokenizer = request.getfixturevalue(name)
     from rawserve.text.tokenizer import RELEASE_GIL_AT, TooManyTokens
 
     text = "Hello world, once upon a time. " * 800
@@ -127,6 +144,12 @@ def test_from_dir_reads_the_chat_template_from_tokenizer_config(qwen3_tokenizer)
     assert qwen3_tokenizer.chat_template == expected
 
 
+def test_from_dir_reads_the_built_tokenizers_template(large_vocab_tokenizer):
+    from rawserve.demo_model import chat_template
+
+    assert large_vocab_tokenizer.chat_template == chat_template()
+
+
 def test_from_dir_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
@@ -135,24 +158,26 @@ def test_from_dir_errors_name_the_problem(tmp_path):
         Tokenizer.from_dir(tmp_path)
 
 
-def test_eos_token_missing_from_the_vocabulary_is_rejected(tmp_path):
-    source = fixture_path("stories260k")
-    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
+def test_eos_token_missing_from_the_vocabulary_is_rejected(tmp_path, large_vocab_tokenizer_dir):
+    shutil.copy(large_vocab_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<nope>"}}))
     with pytest.raises(ValueError, match="eos_token '<nope>'"):
         Tokenizer.from_dir(tmp_path)
 
 
-def test_special_tokens_map_is_the_fallback_for_bos_and_eos(tmp_path):
-    source = fixture_path("stories260k")
-    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
-    shutil.copy(source / "special_tokens_map.json", tmp_path / "special_tokens_map.json")
+def test_special_tokens_map_is_the_fallback_for_bos_and_eos(tmp_path, large_vocab_tokenizer_dir):
+    shutil.copy(large_vocab_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|endoftext|>", "special": True}, "eos_token": "<|im_end|>"}))
     tok = Tokenizer.from_dir(tmp_path)
-    assert (tok.bos_token, tok.eos_token, tok.eos_token_id, tok.chat_template) == ("<s>", "</s>", 2, None)
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id, tok.chat_template) == \
+        ("<|endoftext|>", 151643, "<|im_end|>", 151645, None)
 
 
-def test_concurrent_use_from_threads_matches_serial_results(qwen3_tokenizer):
-    tok = Tokenizer.from_file(fixture_path("qwen3-tokenizer", "tokenizer.json"))  # fresh: byte tables unbuilt
+@pytest.mark.parametrize("name", ["large_vocab_tokenizer_dir", "qwen3"])
+def test_concurrent_use_from_threads_matches_serial_results(request, name):
+    directory = fixture_path("qwen3-tokenizer") if name == "qwen3" else request.getfixturevalue(name)
+    tok = Tokenizer.from_file(directory / "tokenizer.json")  # fresh: byte tables unbuilt
     texts = ["Hello world", "你好，世界 😀", "def f(x):\n    return x * 2\n", "¿Qué tal? Ünïcödé"] * 5
     expected = [tok.encode(t) for t in texts]
     results: list[object] = []
@@ -176,10 +201,11 @@ def test_concurrent_use_from_threads_matches_serial_results(qwen3_tokenizer):
     assert tok.encode_batch(texts) == expected
 
 
-def test_truncation_in_tokenizer_json_never_cuts_a_prompt(tmp_path):
-    data = json.loads(fixture_path("stories260k", "tokenizer.json").read_text(encoding="utf-8"))
+def test_truncation_in_tokenizer_json_never_cuts_a_prompt(tmp_path, large_vocab_tokenizer_dir):
+    data = json.loads((large_vocab_tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
     data["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}
     (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
     assert len(tok.encode("Once upon a time in a land far away")) > 3
-    assert tok.decode([403, 2**40]) == "Once"  # a huge id is skipped like any id past the vocabulary
+    once = tok.encode("Once")
+    assert tok.decode([*once, 2**40]) == "Once"  # a huge id is skipped like any id past the vocabulary
