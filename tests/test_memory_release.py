@@ -293,7 +293,8 @@ def test_the_core_gives_a_bursts_kv_pages_back_within_30_s(tmp_path):
     command = [sys.executable, "-m", "rawserve", "serve", str(model_dir), "--port", "0", "--engine-mode", "process",
                "--no-log-requests", "--dtype", "float32", "--max-num-seqs", "64", "--max-model-len", "128"]
     with Server(command) as server:
-        assert "KV cache 8192 tokens (512 blocks of 16, 256.0 MiB) [what 64 sequences x 128 tokens" in server.lines[-1]
+        assert ("KV cache 8192 tokens (512 blocks of 16, 256.0 MiB, float32) [what 64 sequences x 128 tokens"
+                in server.lines[-1])
         (core,) = children(server.proc.pid)
         idle = settled_rss_kib(core)
         rng = random.Random(0)
