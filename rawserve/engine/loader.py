@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 import torch
 
@@ -185,7 +186,8 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_5"), rope_scaling=scaling, dtype=_DTYPES[dtype_name],
         eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
-        hybrid=_hybrid_config(path, raw, arch == "Qwen3_5ForConditionalGeneration", need) if family == "qwen3_5" else None)
+        hybrid=(_hybrid_config(path, raw, arch == "Qwen3_5ForConditionalGeneration", need) if family == "qwen3_5"
+                else None))
 
 
 def _hybrid_config(path: pathlib.Path, raw: dict, nested: bool, need: Callable[..., object]) -> HybridConfig:
@@ -271,25 +273,32 @@ def read_safetensors_header(file: pathlib.Path) -> list[TensorEntry]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: cannot read safetensors file (header is not an object); it may be "
                               "truncated or corrupt")
+    return tensor_entries(header, file, size, 8 + header_len, _ST_DTYPES, CheckpointError)
+
+
+def tensor_entries(header: dict, file: pathlib.Path, size: int, base: int, dtypes: Mapping[str, torch.dtype],
+                   error: Callable[[str], Exception], show: Callable[[object], str] = repr) -> list[TensorEntry]:
+    """The tensors of a parsed safetensors header whose data starts at byte `base` of a `size`-byte file, each
+    checked for a dtype in `dtypes`, a byte count that matches its shape, and an end inside the file (a truncated
+    file). `error(message)` is what a bad entry raises; `show` quotes a name or shape from the file."""
     entries = []
-    base = 8 + header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype = _ST_DTYPES[info["dtype"]]
+            dtype = dtypes[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: tensor {name!r} has an unreadable header entry {info!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * torch.empty((), dtype=dtype).element_size():
-            raise CheckpointError(f"{file}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+            raise error(f"{file}: tensor {show(name)} has an unreadable header entry or a dtype other than "
+                        f"{', '.join(dtypes)}") from None
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise error(f"{file}: tensor {show(name)} has a negative shape or offset")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise error(f"{file}: tensor {show(name)} has {end - begin} bytes for shape {show(shape)}")
         if base + end > size:
-            raise CheckpointError(f"{file}: cannot read safetensors file (tensor {name!r} ends at byte "
-                                  f"{base + end} of a {size}-byte file); it may be truncated or corrupt")
+            raise error(f"{file}: cannot read safetensors file (tensor {show(name)} ends at byte {base + end} of a "
+                        f"{size}-byte file); it may be truncated or corrupt")
         entries.append(TensorEntry(name, file, dtype, shape, base + begin, end - begin))
     return entries
 

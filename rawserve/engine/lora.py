@@ -35,7 +35,7 @@ from typing import BinaryIO
 import torch
 import torch.nn.functional as F
 
-from rawserve.engine.loader import CheckpointError, ModelConfig, TensorEntry, read_tensor_into
+from rawserve.engine.loader import CheckpointError, ModelConfig, TensorEntry, read_tensor_into, tensor_entries
 
 # PEFT's module names -> (rawserve's fused linear, part index within it).
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -171,26 +171,7 @@ def _read_header(f: BinaryIO, size: int, file: pathlib.Path, max_header: int, ma
         raise LoraError(f"{file}: unreadable safetensors header ({_show(str(error))})") from None
     if not isinstance(header, dict) or len(header) > max_tensors + 1:  # + __metadata__
         raise LoraError(f"{file}: a safetensors header that is not an object of at most {max_tensors} tensors")
-    entries = []
-    base = 8 + header_len
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise LoraError(f"{file}: tensor {_show(name)} has an unreadable header entry or a dtype other than "
-                            f"{', '.join(_DTYPES)}") from None
-        if any(d < 0 for d in shape) or not 0 <= begin <= end:
-            raise LoraError(f"{file}: tensor {_show(name)} has a negative shape or offset")
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise LoraError(f"{file}: tensor {_show(name)} has {end - begin} bytes for shape {_show(shape)}")
-        if base + end > size:
-            raise LoraError(f"{file}: tensor {_show(name)} ends at byte {base + end} of a {size}-byte file")
-        entries.append(TensorEntry(name, file, dtype, shape, base + begin, end - begin))
-    return entries
+    return tensor_entries(header, file, size, 8 + header_len, _DTYPES, LoraError, _show)
 
 
 def weight_limits(cfg: ModelConfig, rank: int) -> tuple[int, int, int]:
