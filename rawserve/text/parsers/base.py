@@ -53,3 +53,26 @@ class ToolParser(Protocol):
     markers: tuple[str, ...]
 
     def feed(self, text: str, final: bool) -> list[Event]: ...
+
+
+class CallSeparatedContent:
+    """Content beside tool calls, for a tool parser: whitespace waits in `_pending` until something visible follows,
+    since whitespace that only separates calls is no content. `_num_calls` counts the calls begun so far."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._has_content = False
+        self._num_calls = 0
+
+    def _content(self, events: list[Event], text: str) -> None:
+        """Show text; whitespace waits in _pending until something visible follows it."""
+        visible = text.lstrip()
+        self._pending += text[:len(text) - len(visible)]
+        if not visible:
+            return
+        # Pending whitespace sits next to a call; it is kept between content, or when no call came yet.
+        if self._has_content or not self._num_calls:
+            visible = self._pending + visible
+        self._pending = ""
+        self._has_content = True
+        events.append(("content", visible))

@@ -5,7 +5,7 @@ out not to be a call falls back to content. Pure string logic; must not import e
 """
 from __future__ import annotations
 
-from rawserve.text.parsers.base import Event, split_at
+from rawserve.text.parsers.base import CallSeparatedContent, Event, split_at
 from rawserve.text.parsers.tool_call import DONE, OPEN, ToolCallStream
 
 _TEXT, _CALL, _AFTER, _RAW = range(4)
@@ -13,7 +13,7 @@ _TEXT, _CALL, _AFTER, _RAW = range(4)
 _AFTER_LIMIT = 256
 
 
-class HermesToolParser:
+class HermesToolParser(CallSeparatedContent):
     """Content with <tool_call> blocks.
 
     A block is a call once its name and the start of its arguments are valid (see ToolCallStream).
@@ -30,12 +30,10 @@ class HermesToolParser:
     markers = (open_tag, close_tag)
 
     def __init__(self) -> None:
+        super().__init__()
         self._state = _TEXT
         self._held = ""  # text that may be the start of a tag
-        self._pending = ""  # whitespace not yet shown: it may turn out to only separate calls
-        self._has_content = False
         self._call: ToolCallStream | None = None
-        self._num_calls = 0
 
     def feed(self, text: str, final: bool) -> list[Event]:
         buffer = self._held + text
@@ -103,15 +101,3 @@ class HermesToolParser:
                 self._content(events, self.close_tag)
                 self._state, buffer = _TEXT, after
 
-    def _content(self, events: list[Event], text: str) -> None:
-        """Show text; whitespace waits in _pending until something visible follows it."""
-        visible = text.lstrip()
-        self._pending += text[:len(text) - len(visible)]
-        if not visible:
-            return
-        # Pending whitespace sits next to a call; it is kept between content, or when no call came yet.
-        if self._has_content or not self._num_calls:
-            visible = self._pending + visible
-        self._pending = ""
-        self._has_content = True
-        events.append(("content", visible))

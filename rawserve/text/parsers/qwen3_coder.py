@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from rawserve.text.parsers.base import Event, partial_suffix
+from rawserve.text.parsers.base import CallSeparatedContent, Event, partial_suffix
 from rawserve.text.parsers.tool_call import new_call_id
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -150,7 +150,7 @@ def _escaped(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class Qwen3CoderToolParser:
+class Qwen3CoderToolParser(CallSeparatedContent):
     """Content with XML-form tool calls; `tools` maps a function name to its parameters schema (None: none).
 
     A call's header goes out once `<function=NAME>` is followed by its first parameter or its end. Before that,
@@ -168,12 +168,10 @@ class Qwen3CoderToolParser:
     markers = (TOOL_OPEN, TOOL_CLOSE)
 
     def __init__(self, tools: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
         self._tools = dict(tools or {})
         self._state = _TEXT
         self._held = ""
-        self._pending = ""  # whitespace not yet shown: it may only separate calls
-        self._has_content = False
-        self._num_calls = 0
         self._wrapped = False  # the call opened with <tool_call>
         self._block = ""  # the call's text before its header went out: content if it fails
         self._header_sent = False
@@ -324,11 +322,11 @@ class Qwen3CoderToolParser:
         limit = _AFTER_LIMIT + len(TOOL_CLOSE)
         p = buffer.find(TOOL_CLOSE, 0, limit)
         if p >= 0:
-            self._show(buffer[:p].strip(), events)
+            self._content(events, buffer[:p].strip())
             self._state = _TEXT
             return buffer[p + len(TOOL_CLOSE):]
         if final:
-            self._show(buffer.strip(), events)
+            self._content(events, buffer.strip())
             return None
         if len(buffer) >= limit:
             self._state = _TEXT  # no closing tag: back to plain text
@@ -340,11 +338,11 @@ class Qwen3CoderToolParser:
         """A block that is no call: content through its </tool_call>."""
         p = buffer.find(TOOL_CLOSE)
         if p >= 0:
-            self._show(buffer[:p + len(TOOL_CLOSE)], events)
+            self._content(events, buffer[:p + len(TOOL_CLOSE)])
             self._state = _TEXT
             return buffer[p + len(TOOL_CLOSE):]
         keep = 0 if final else partial_suffix(buffer, TOOL_CLOSE)
-        self._show(buffer[:len(buffer) - keep], events)
+        self._content(events, buffer[:len(buffer) - keep])
         self._held = buffer[len(buffer) - keep:]
         return None
 
@@ -352,7 +350,7 @@ class Qwen3CoderToolParser:
 
     def _fail(self, buffer: str, events: list[Event]) -> str:
         """The block before its header is no call: it is content, and so is what follows it in its block."""
-        self._show(self._block, events)
+        self._content(events, self._block)
         self._state = _RAW if self._wrapped else _TEXT
         return buffer
 
@@ -402,18 +400,6 @@ class Qwen3CoderToolParser:
 
     def _show_before_call(self, text: str, events: list[Event]) -> None:
         body = text.rstrip()
-        self._show(body, events)
+        self._content(events, body)
         self._pending += text[len(body):]
 
-    def _show(self, text: str, events: list[Event]) -> None:
-        """Show text; whitespace waits in _pending until something visible follows it."""
-        visible = text.lstrip()
-        self._pending += text[:len(text) - len(visible)]
-        if not visible:
-            return
-        # Pending whitespace sits next to a call; it is kept between content, or when no call came yet.
-        if self._has_content or not self._num_calls:
-            visible = self._pending + visible
-        self._pending = ""
-        self._has_content = True
-        events.append(("content", visible))
