@@ -4,8 +4,8 @@ stacks the decoder adds each row's low-rank delta from.
 Core side. An adapter's tensors are kept on the CPU once loaded (`LoraAdapter`); `LoraWeights` holds
 `max_loras` device-resident slots per fused linear, and a step names each token's slot (`LoraBatch`).
 
-One step's delta for a linear with k fused parts (qkv: 3, gate_up: 2, o and down: 1), over the rows that
-have an adapter (rows without one are not touched). The rows are grouped by slot into an [n, G] grid (n
+One step's delta for a linear with k fused parts (qkv: 3, gate_up: 2, o and down: 1; Qwen3.5's in_proj: 4), over
+the rows that have an adapter (rows without one are not touched). The rows are grouped by slot into an [n, G] grid (n
 slots from the lowest to the highest one in use, G the largest group; short groups padded with a copy of
 some row whose result is dropped):
 
@@ -37,12 +37,19 @@ import torch.nn.functional as F
 
 from rawserve.engine.loader import CheckpointError, ModelConfig, TensorEntry, read_tensor_into, tensor_entries
 
-# PEFT's module names -> (rawserve's fused linear, part index within it).
-MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "down_proj": ("down_proj", 0)}
-FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# PEFT's module names (transformers' nn.Linear names) -> (rawserve's fused linear, part index within it), by the
+# block that holds them in a decoder layer. The part order is the row order of the fused matrix the model loads.
+ATTENTION = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0)}
+DELTANET = {"in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+            "in_proj_a": ("in_proj", 3), "out_proj": ("out_proj", 0)}  # Qwen3.5's linear_attention layers
+MLP = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+MODULES = {**ATTENTION, **MLP}  # a dense decoder layer's (Qwen3, Qwen2, Llama), and Qwen3.5's full_attention ones
+_BLOCK = {**dict.fromkeys(ATTENTION, "self_attn"), **dict.fromkeys(DELTANET, "linear_attn"),
+          **dict.fromkeys(MLP, "mlp")}
+# A Qwen3.5 adapter may come from the text-only form (model.layers) or the conditional-generation one
+# (model.language_model.layers): the same text stack either way.
+_NAME = re.compile(r"^(?:base_model\.model\.)?model\.(language_model\.)?layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])"
+                   r"\.weight$")
 
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; a bigger one is not PEFT's
 # The dtypes PEFT saves LoRA weights in; float32 is the widest, so it bounds the bytes a weight file may hold.
@@ -59,12 +66,29 @@ class LoraError(CheckpointError):
     It may name paths and values from the file: it is for the operator's log, never for an untrusted client."""
 
 
+def layer_modules(cfg: ModelConfig) -> list[dict[str, tuple[str, int]]]:
+    """Per decoder layer, the PEFT modules an adapter may target there -> (fused linear, part): every layer of a
+    dense model has MODULES; a Qwen3.5 layer has its mixer's (gated attention or Gated DeltaNet) and the MLP's."""
+    if cfg.hybrid is None:
+        return [MODULES] * cfg.num_layers
+    linear = {**DELTANET, **MLP}
+    return [linear if kind == "linear_attention" else MODULES for kind in cfg.hybrid.layer_types]
+
+
 def part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """PEFT module name -> (in_features, out_features) on this base model."""
+    """PEFT module name -> (in_features, out_features) on this base model, for every module some layer has."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    hy = cfg.hybrid
+    if hy is not None:
+        heads = hy.linear_num_value_heads
+        # q_proj emits the output gate too: per head, head_dim query rows then head_dim gate rows, as saved
+        shapes["q_proj"] = (h, 2 * q)
+        shapes.update(in_proj_qkv=(h, hy.conv_dim), in_proj_z=(h, hy.value_dim), in_proj_b=(h, heads),
+                      in_proj_a=(h, heads), out_proj=(hy.value_dim, h))
+    return shapes
 
 
 @dataclass(slots=True)
@@ -176,10 +200,12 @@ def _read_header(f: BinaryIO, size: int, file: pathlib.Path, max_header: int, ma
 
 def weight_limits(cfg: ModelConfig, rank: int) -> tuple[int, int, int]:
     """(tensors, header bytes, file bytes) at most in a rank-`rank` adapter's safetensors file for this model: A and
-    B of every module of every layer, in float32. A file past these is refused before its tensors are read."""
-    max_tensors = cfg.num_layers * len(MODULES) * 2
+    B of every module of every layer (each layer's own kind), in float32. A file past these is refused before its
+    tensors are read."""
+    layers, shapes = layer_modules(cfg), part_shapes(cfg)
+    max_tensors = 2 * sum(len(modules) for modules in layers)
     max_header = _HEADER_SLACK_BYTES + max_tensors * _HEADER_BYTES_PER_TENSOR
-    max_data = cfg.num_layers * sum(rank * (in_f + out_f) for in_f, out_f in part_shapes(cfg).values())
+    max_data = sum(rank * sum(shapes[module]) for modules in layers for module in modules)
     return max_tensors, max_header, 8 + max_header + max_data * _MAX_ELEMENT_BYTES
 
 
@@ -221,9 +247,15 @@ def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise LoraError(f"{config_file}: lora_alpha must be a number, got {_show(alpha)}")
     scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
+    shapes, modules_of = part_shapes(cfg), layer_modules(cfg)
+    targets = conf.get("target_modules")
+    if isinstance(targets, list):  # PEFT matches a name by its last dotted part; a regex string is checked per tensor
+        unknown = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in shapes]
+        if unknown:
+            raise LoraError(f"{config_file}: target_modules names {_show(unknown)}, which this {cfg.architecture} "
+                            f"has no adapter-capable linear of (it has {', '.join(shapes)})")
 
     weight_file = directory / "adapter_model.safetensors"
-    shapes = part_shapes(cfg)
     max_tensors, max_header, max_file = weight_limits(cfg, rank)
     found: dict[tuple[int, str, str], torch.Tensor] = {}
     try:  # an unreadable file (no permission, an I/O error) must fail the load, not the engine
@@ -233,16 +265,23 @@ def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank
                 if deadline is not None and time.monotonic() > deadline:
                     raise LoraError(f"{weight_file}: the read ran past its deadline")
                 match = _NAME.match(entry.name)
-                if match is None:
+                if match is None or (match[1] and cfg.hybrid is None):
                     raise LoraError(f"{weight_file}: tensor {_show(entry.name)} is not a LoRA A/B weight of a decoder "
-                                    "layer's attention or MLP projection")
-                layer, module, which = int(match[1]), match[2], match[3]
-                if module not in MODULES:
+                                    "layer's linear projection")
+                layer, block, module, which = int(match[2]), match[3], match[4], match[5]
+                if module not in shapes:
                     raise LoraError(f"{weight_file}: tensor {_show(entry.name)} targets {module!r}, which is not one "
-                                    f"of {', '.join(MODULES)}")
+                                    f"of {', '.join(shapes)}")
+                if block != _BLOCK[module]:
+                    raise LoraError(f"{weight_file}: tensor {_show(entry.name)} puts {module} under {block!r}; it "
+                                    f"belongs under {_BLOCK[module]!r}")
                 if layer >= cfg.num_layers:
                     raise LoraError(f"{weight_file}: tensor {_show(entry.name)} is for layer {layer}; the base model "
                                     f"has {cfg.num_layers} layers")
+                if module not in modules_of[layer]:
+                    raise LoraError(f"{weight_file}: tensor {_show(entry.name)} targets {module!r} on layer {layer}, "
+                                    f"a {cfg.hybrid.layer_types[layer]} layer, which has "
+                                    f"{', '.join(modules_of[layer])}")
                 in_f, out_f = shapes[module]
                 expected = (rank, in_f) if which == "A" else (out_f, rank)
                 if entry.shape != expected:
@@ -284,7 +323,8 @@ class LoraBatch:
 
 
 class LoraWeights:
-    """max_loras slots of rank max_rank for every decoder layer's four fused linears, on the model's device."""
+    """max_loras slots of rank max_rank for every fused linear of every decoder layer (the ones its kind has:
+    layer_modules), on the model's device."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -292,17 +332,20 @@ class LoraWeights:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.dtype, self.device = dtype, device
         shapes = part_shapes(cfg)
-        parts: dict[str, list[str]] = {name: [] for name in FUSED}
-        for module, (fused, _) in MODULES.items():
-            parts[fused].append(module)
-        self.parts = parts
+        # fused linear -> its PEFT modules in row order (each table lists them so), for the fused linears this model
+        # has; a name is the same matrix in every layer that has it
+        self.parts: dict[str, list[str]] = {}
+        for module, (fused, _) in {**ATTENTION, **DELTANET, **MLP}.items():
+            if module in shapes:
+                self.parts.setdefault(fused, []).append(module)
         L, R = max_loras, max_rank
         # layers[i][fused] = (A [L, k * R, in], [Bt_j [L, R, out_j] for each part j]). B is kept transposed:
         # x @ B.T with B [out, R] hit a slow oneDNN path on CPU (~20x slower at K = 128).
         self.layers: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
-        for _ in range(cfg.num_layers):
+        for layer_parts in layer_modules(cfg):
             entry = {}
-            for fused, modules in parts.items():
+            for fused in dict.fromkeys(fused for fused, _ in layer_parts.values()):
+                modules = self.parts[fused]
                 in_f = shapes[modules[0]][0]
                 a = torch.zeros(L, len(modules) * R, in_f, dtype=dtype, device=device)
                 bs = [torch.zeros(L, R, shapes[m][1], dtype=dtype, device=device) for m in modules]

@@ -10,7 +10,7 @@ import torch
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import CheckpointError, read_model_config
 from rawserve.engine.models.gated_delta import StateBatch
-from rawserve.engine.models.qwen35 import Qwen35Model, load_qwen35_model
+from rawserve.engine.models.qwen35 import load_qwen35_model
 from rawserve.engine.quant import probe_plan
 from rawserve.engine.step_plan import StepInput
 from tests.qwen35_checkpoints import load_hf_qwen35, make_qwen35_checkpoint
@@ -159,6 +159,32 @@ def test_prompts_of_different_lengths_and_decode_rows_in_one_forward(checkpoint)
     torch.testing.assert_close(after, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", [[0, 1, 2], [5, 3, 7], [1, 20, 40]], ids=["run", "span", "gathered"])
+def test_decode_rows_follow_transformers_wherever_their_slots_lie(checkpoint, layout):
+    """Decode rows on a run of slots in batch order (updated in place), on permuted slots with gaps (the run
+    between them updated in place: a gap's live state left exactly as it was, a free one's NaN kept to itself),
+    and on slots far apart (gathered and scattered back): transformers' logits, two steps running."""
+    path, hf = checkpoint
+    prompts = [prompt_ids(9 + 4 * i, seed=10 + i) for i in range(3)]
+    tables = [blocks_for(24, first=24 * i) for i in range(3)]
+    driver = Driver(path)
+    driver.states = driver.model.allocate_states(48, torch.device("cpu"))
+    for ids, table, slot in zip(prompts, tables, layout):
+        driver.prefill(ids, [len(ids)], table, slot)
+    for conv, recurrent in driver.states:  # slot 4: free and never written; slot 6: another sequence's state
+        conv[4].fill_(float("nan"))
+        recurrent[4].fill_(float("nan"))
+        recurrent[6].fill_(2.5)
+    nexts = [[31, 32], [41, 42], [51, 52]]
+    for step in range(2):
+        seqs = [StepInput([nxt[step]], len(ids) + step, table, state_slot=slot)
+                for ids, nxt, table, slot in zip(prompts, nexts, tables, layout)]
+        ours = driver.run(seqs)
+        ref = torch.cat([hf_logits(hf, ids + nxt[:step + 1])[-1:] for ids, nxt in zip(prompts, nexts)])
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    assert all(bool((recurrent[6] == 2.5).all()) for _, recurrent in driver.states)
+
+
 def test_mrope_position_streams_match_transformers(checkpoint):
     """Three different position streams ([3, T], as images will give): each rotary frequency follows its stream."""
     path, hf = checkpoint
@@ -250,11 +276,3 @@ def test_quantized_linears_load_and_follow_the_dense_model(tmp_path, scheme, nam
     assert quant.model.quant_head is not None
     ours = quant.prefill(ids, [20], blocks_for(20), slot=0)
     assert (ours - dense).norm() / dense.norm() < max_error
-
-
-def test_lora_is_refused_with_a_clear_error(tmp_path):
-    cfg = read_model_config(make_qwen35_checkpoint(tmp_path / "ckpt"))
-    with torch.device("meta"):
-        model = Qwen35Model(cfg, torch.float32)
-    with pytest.raises(ValueError, match="LoRA"):
-        model.enable_lora(None)

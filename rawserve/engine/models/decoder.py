@@ -286,6 +286,8 @@ class DecoderModel(nn.Module):
     def enable_lora(self, weights: LoraWeights) -> None:
         """Give every layer the adapter slots it adds deltas from (the base weights stay as they are)."""
         for layer in self.layers:
+            # lora.layer_modules and the layer kinds must name the same fused linears, or a delta would miss its matmul
+            assert set(weights.layers[layer.index]) <= set(layer.linear_names), (layer.index, layer.linear_names)
             layer.lora = weights
 
     def prepack(self) -> None:
