@@ -1,15 +1,18 @@
 """Qwen3.5 (hybrid) forward speed on a random Qwen3.5-0.8B-shaped model built in memory: prefill tok/s per prompt
 length and delta-rule chunk size, and a decode step's ms after a given context.
 
-python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192] [--chunks 32,64,128] [--dtype bfloat16]
-Prints one JSON object per line. A decode's cost does not depend on the values in its context, so the decode
-rows fill the KV cache and the states with random values rather than prefilling them (32k prefill on a
-2-core CPU takes minutes: pass it to --prefill explicitly when wanted).
+python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192,32768] [--rows 1,32] [--chunks 32,64,128]
+    [--dtype bfloat16]
+Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared). A decode's
+cost does not depend on the values in its context, so the decode rows fill the KV cache and the states with
+random values rather than prefilling them (32k prefill on a 2-core CPU takes minutes: pass it to --prefill
+explicitly when wanted). Memory per sequence (states + KV) is computed from the shapes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -21,6 +24,7 @@ from rawserve.engine.models.decoder import cpu_prepack_supported
 from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import Qwen35Model
 from rawserve.engine.step_plan import StepInput
+from rawserve.process_stats import keep_freed_heap
 from tests.engine.test_qwen35_model import attention_metadata  # the runner's torch-backend metadata, no runner
 
 BLOCK = 16
@@ -57,56 +61,110 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, chunk_size: int) -> Qwen3
 
 
 class Harness:
-    def __init__(self, model: Qwen35Model, max_tokens: int, dtype: torch.dtype) -> None:
+    """The model, a KV pool of random values, `rows` state slots, and the runner's CPU setup: freed heap kept
+    (process_stats.keep_freed_heap), one reused gather buffer pair, a lone decode's consecutive blocks read in
+    place (metadata.decode_block_run)."""
+
+    def __init__(self, model: Qwen35Model, max_tokens: int, dtype: torch.dtype, rows: int = 1) -> None:
         cfg = model.cfg
         self.model = model
-        self.num_blocks = -(-max_tokens // BLOCK) + 1
+        self.blocks_per_row = -(-max_tokens // BLOCK) + 1
+        self.num_blocks = rows * self.blocks_per_row + 1
         shape = (self.num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
         self.kv = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(model.num_kv_layers)]
-        self.states = model.allocate_states(1, torch.device("cpu"))
+        self.gather_out = None
+        self.states = model.allocate_states(rows, torch.device("cpu"))
         model.init_rope(max_tokens + 1, torch.device("cpu"))
 
+    def table(self, row: int, tokens: int) -> list[int]:
+        first = 1 + row * self.blocks_per_row
+        return list(range(first, first + -(-tokens // BLOCK)))
+
     @torch.inference_mode()
-    def step(self, ids: list[int], start: int) -> None:
-        seq = StepInput(ids, start, list(range(1, -(-(start + len(ids)) // BLOCK) + 1)), state_slot=0)
-        meta, positions = attention_metadata([seq], BLOCK)
-        hidden = self.model(torch.tensor(ids), positions, self.kv, meta, states=self.states,
-                            state_batch=StateBatch.from_inputs([seq]))
-        self.model.compute_logits(hidden[-1:])
+    def step(self, ids: list[int], start: int, rows: int = 1) -> None:
+        """`rows` sequences, each with `ids` after `start` tokens of context, in state slots 0..rows - 1."""
+        seqs = [StepInput(ids, start, self.table(r, start + len(ids)), state_slot=r) for r in range(rows)]
+        meta, positions = attention_metadata(seqs, BLOCK)
+        if rows == 1 and len(ids) == 1:
+            meta.decode_block_run = seqs[0].block_table[0]
+        most = meta.decode_blocks.numel() if meta.decode_block_run is None else 0
+        most = max([most] + [len(seqs[i].block_table) for i in meta.prefill_seq_ids])
+        row_elems = BLOCK * self.model.cfg.num_kv_heads * self.model.cfg.head_dim
+        if most and (self.gather_out is None or self.gather_out[0].numel() < most * row_elems):
+            self.gather_out = None
+            self.gather_out = tuple(torch.empty(most * row_elems, dtype=self.kv[0][0].dtype) for _ in range(2))
+        meta.gather_out = self.gather_out if most else None
+        hidden = self.model(torch.tensor(ids * rows), positions, self.kv, meta, states=self.states,
+                            state_batch=StateBatch.from_inputs(seqs))
+        ends = torch.arange(len(ids) - 1, len(ids) * rows, len(ids))
+        self.model.compute_logits(hidden[ends])
+
+
+def memory_per_sequence(cfg: ModelConfig, model: Qwen35Model, context: int, dtype: torch.dtype) -> dict:
+    """Bytes one sequence holds: the hybrid's states (fixed) and KV (6 of 24 layers), against dense decoders'
+    KV: the same 24 layers all full attention, and Qwen3-0.6B (28 layers, 8 KV heads of 128)."""
+    item = dtype.itemsize
+    kv = model.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item * context
+    state = model.state_bytes_per_slot()
+    dense_same = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item * context
+    qwen3_0_6b = 28 * 2 * 8 * 128 * item * context
+    mib = 1 << 20
+    return {"context_tokens": context, "state_mib": round(state / mib, 2), "kv_mib": round(kv / mib, 2),
+            "total_mib": round((state + kv) / mib, 2), "dense_24_layer_kv_mib": round(dense_same / mib, 2),
+            "qwen3_0_6b_kv_mib": round(qwen3_0_6b / mib, 2)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prefill", default="512,4096")
-    parser.add_argument("--context", default="1024,8192")
+    parser.add_argument("--context", default="1024,8192,32768")
+    parser.add_argument("--rows", default="1,32", help="decode batch sizes (at the first context)")
     parser.add_argument("--chunks", default="64")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    keep_freed_heap()  # as the engine's runner does on a CPU
     dtype = getattr(torch, args.dtype)
     prefills = [int(n) for n in args.prefill.split(",") if n]
     contexts = [int(n) for n in args.context.split(",") if n]
-    cfg = config_0_8b(max(prefills + contexts) + 2)
+    batch_rows = [int(n) for n in args.rows.split(",") if n]
+    most = max(prefills + contexts) + 2
+    cfg = config_0_8b(most)
     base = {"bench": "qwen35_forward", "model": "qwen3.5-0.8b-random", "dtype": args.dtype,
-            "threads": torch.get_num_threads(), "rev": rev()}
+            "threads": torch.get_num_threads(), "rev": rev(), "load_avg_1m": round(os.getloadavg()[0], 2)}
     ids = torch.randint(0, 1000, (max(prefills + [1]),)).tolist()
     for chunk in (int(c) for c in args.chunks.split(",")):
         model = random_model(cfg, dtype, chunk)
-        harness = Harness(model, max(prefills + contexts) + 1, dtype)
+        harness = Harness(model, most, dtype)
         for n in prefills:
             reps = 1 if n > 2048 else args.reps
             times = timed(lambda: harness.step(ids[:n], 0), reps=reps, warmup=1)
             best = min(times)
             print(json.dumps({**base, "kind": "prefill", "chunk_size": chunk, "prompt_tokens": n,
                               "prefill_tok_s": round(n / best, 1), "prefill_ms": round(best * 1e3, 1),
-                              "reps": reps}), flush=True)
+                              "reps": reps, "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
         if chunk == int(args.chunks.split(",")[0]):
             for ctx in contexts:
                 times = timed(lambda: harness.step([7], ctx), reps=max(5, args.reps), warmup=2)
-                print(json.dumps({**base, "kind": "decode", "context_tokens": ctx,
+                print(json.dumps({**base, "kind": "decode", "rows": 1, "context_tokens": ctx,
                                   "decode_ms_median": round(statistics.median(times) * 1e3, 2),
-                                  "decode_ms_min": round(min(times) * 1e3, 2)}), flush=True)
-        del model, harness
+                                  "decode_ms_min": round(min(times) * 1e3, 2),
+                                  "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+            del harness
+            ctx = contexts[0] if contexts else 1024
+            for rows in (r for r in batch_rows if r > 1):
+                harness = Harness(model, ctx + 2, dtype, rows)
+                times = timed(lambda: harness.step([7], ctx, rows), reps=max(5, args.reps), warmup=2)
+                print(json.dumps({**base, "kind": "decode", "rows": rows, "context_tokens": ctx,
+                                  "decode_ms_median": round(statistics.median(times) * 1e3, 2),
+                                  "decode_ms_min": round(min(times) * 1e3, 2),
+                                  "tok_s": round(rows / statistics.median(times), 1),
+                                  "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+                del harness
+            for ctx in contexts:
+                print(json.dumps({**base, "kind": "memory_per_sequence", **memory_per_sequence(cfg, model, ctx,
+                                                                                            dtype)}), flush=True)
+        del model
         print(f"chunk {chunk} done", file=sys.stderr)
 
 

@@ -51,6 +51,9 @@ class DeltaPlan:
     conv_state_index: torch.Tensor  # [num_seqs * (kernel - 1)] history rows that become each sequence's state
     decode_tokens: torch.Tensor | None  # [num_decodes] token rows of the one-token sequences
     decode_slots: torch.Tensor | None  # [num_decodes] their slots
+    decode_span: tuple[int, int] | None  # (first slot, count): the decodes' slots lie in this run of the pool
+    decode_span_rows: torch.Tensor | None  # [count] token row of each slot of the run (num_tokens: not a decode)
+    decode_place: torch.Tensor | None  # [num_decodes] each decode's place in the run
     prefill_tokens: torch.Tensor | None  # [num_prefill_tokens] token rows of the longer sequences
     prefill_slots: torch.Tensor | None  # [num_prefills] their slots, longest first
     chunk_gather: torch.Tensor | None  # [num_chunks * chunk_size] token row per chunk position (num_tokens: pad)
@@ -58,6 +61,23 @@ class DeltaPlan:
     rounds: list[tuple[int, int]]  # per chunk index: (first chunk, number of sequences that have it)
     chunk_size: int
     num_tokens: int
+    all_decode: bool = False  # every sequence has one new token
+    slot_run: int | None = None  # the slots are first, first + 1, ... in batch order: the pool's rows as a view
+
+
+def decode_span(tokens: list[int], slots: list[int], num_tokens: int
+                ) -> tuple[tuple[int, int] | None, list[int] | None, list[int] | None]:
+    """Where the decodes' recurrent states can be updated in place: the run of pool slots from the lowest to the
+    highest, when it is not much longer than the decodes (slots in the run that are not this step's decodes take
+    an identity update, g = beta = 0 and k = 0: their state is read and written back unchanged). Else None: the
+    states are gathered and scattered back. -> (first, count), token row per run slot, run place per decode."""
+    lo, count = min(slots), max(slots) - min(slots) + 1
+    if count > max(2 * len(slots), len(slots) + 8):
+        return None, None, None
+    rows = [num_tokens] * count
+    for token, slot in zip(tokens, slots):
+        rows[slot - lo] = token
+    return (lo, count), rows, [slot - lo for slot in slots]
 
 
 def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, device: torch.device,
@@ -90,13 +110,18 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     fresh = [slot for slot, is_fresh in zip(state.slots, state.fresh) if is_fresh]
+    span, span_rows, place = decode_span(decode_tokens, decode_slots, num_tokens) if decode_slots else (None,) * 3
+    first = state.slots[0] if state.slots else 0
     plan = DeltaPlan(
         slots=tensor(state.slots), fresh_slots=tensor(fresh) if fresh else None,
         history_index=tensor(history), conv_out_index=tensor(conv_out), conv_state_index=tensor(conv_state),
         decode_tokens=tensor(decode_tokens) if decode_tokens else None,
         decode_slots=tensor(decode_slots) if decode_slots else None,
+        decode_span=span, decode_span_rows=None if span_rows is None else tensor(span_rows),
+        decode_place=None if place is None else tensor(place),
         prefill_tokens=None, prefill_slots=None, chunk_gather=None, chunk_scatter=None, rounds=[],
-        chunk_size=chunk_size, num_tokens=num_tokens)
+        chunk_size=chunk_size, num_tokens=num_tokens, all_decode=len(decode_tokens) == num_seqs > 0,
+        slot_run=first if state.slots == list(range(first, first + num_seqs)) else None)
     if not prefills:
         return plan
     longest = max(n for _, n, _ in prefills)
@@ -125,40 +150,68 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     return plan
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
     """Depthwise causal conv with SiLU, each sequence continuing from its saved inputs; saves the new ones.
 
-    x: [T, C] new inputs; weight: [C, K]; conv_state: [num_slots, C, K - 1] (read at, then written to, the
-    step's slots; fresh slots are zeroed beforehand). -> [T, C].
+    x: [T, C] new inputs; taps: [K, C] float32 (tap K - 1 multiplies the newest input; rows contiguous, since a
+    strided column of the checkpoint's [C, K] made each multiply-add several times slower); conv_state:
+    [num_slots, C, K - 1] (read at, then written to, the step's slots; fresh slots are zeroed beforehand).
+    -> [T, C] float32 (what the delta rule reads).
     """
-    num_seqs, keep = plan.slots.numel(), weight.shape[1] - 1
-    saved = conv_state.index_select(0, plan.slots)  # [S, C, K-1]
+    num_seqs, keep = plan.slots.numel(), taps.shape[0] - 1
+    run = plan.slot_run
+    saved = conv_state[run:run + num_seqs] if run is not None else conv_state.index_select(0, plan.slots)
+    if plan.all_decode:  # one new input each: K multiply-adds over [S, C], no history to lay out
+        out = x.float() * taps[keep]
+        for k in range(keep):
+            out.addcmul_(saved[:, :, k], taps[k])
+        new_state = torch.cat((saved[:, :, 1:], x.unsqueeze(-1)), -1)  # a copy: `saved` may be the pool's view
+        if run is not None:
+            saved.copy_(new_state)
+        else:
+            conv_state.index_copy_(0, plan.slots, new_state)
+        return F.silu(out, inplace=True)
     saved = saved.transpose(1, 2).reshape(num_seqs * keep, -1).to(x.dtype)  # [S * (K-1), C]
     history = torch.cat((saved, x)).index_select(0, plan.history_index)  # [S * (K-1) + T, C]
-    rows = history.shape[0] - keep
-    out = history[:rows] * weight[:, 0]
-    for k in range(1, keep + 1):  # K shifted multiply-adds: no conv1d layout changes, one pass per tap
-        out.addcmul_(history[k:k + rows], weight[:, k])
     new_state = history.index_select(0, plan.conv_state_index).view(num_seqs, keep, -1).transpose(1, 2)
     conv_state.index_copy_(0, plan.slots, new_state.to(conv_state.dtype))
-    return F.silu(out.index_select(0, plan.conv_out_index))
+    history = history.float()
+    rows = history.shape[0] - keep
+    out = history[:rows] * taps[0]
+    for k in range(1, keep + 1):  # K shifted multiply-adds: no conv1d layout changes, one pass per tap
+        out.addcmul_(history[k:k + rows], taps[k])
+    # one sequence: its outputs are the first T rows; else each sequence's rows, skipping the K - 1 between
+    out = out[:plan.num_tokens] if num_seqs == 1 else out.index_select(0, plan.conv_out_index)
+    return F.silu(out, inplace=True)
 
 
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + 1e-6) over the last dim, as flash-linear-attention (and transformers) compute it."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+def l2_normalize(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, as flash-linear-attention (and transformers) compute it;
+    times `scale` (broadcast against x's [..., 1] norms: a factor per head) when given."""
+    factor = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    return x * (factor if scale is None else factor * scale)
 
 
 def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor) -> torch.Tensor:
-    """One token per sequence, in place on `state` [B, H, dk, dv] (float32): decay, delta-rule write, read.
+    """One token per sequence, in place on `state` [B, H, dk, dv] (float32, contiguous: a view of the pool's
+    rows is updated where it lies): decay, delta-rule write, read.
 
-    q, k: [B, H, dk] (normalised, q scaled); v: [B, H, dv]; g, beta: [B, H]. -> [B, H, dv]."""
-    state.mul_(g.exp()[..., None, None])
-    predicted = (k.unsqueeze(-2) @ state).squeeze(-2)  # [B, H, dv]: what the state recalls for k
-    delta = (v - predicted) * beta.unsqueeze(-1)
-    state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
-    return (q.unsqueeze(-2) @ state).squeeze(-2)
+    q, k: [B, H, dk] (normalised, q scaled); v: [B, H, dv]; g, beta: [B, H]. -> [B, H, dv].
+    With S the state before the token and d = exp(g), the new state is d S + k delta^T, delta = beta (v - d k S);
+    its read is q (d S + k delta^T) = d q S + (q.k) delta. So q S and k S come from one batched product over the
+    old state, and the state is touched by two more passes (the decay, the rank-1 write) where the plain form
+    made five, with a state-sized temporary (at 32 rows, 32 MiB a layer)."""
+    batch, heads, dk = q.shape
+    dv = v.shape[-1]
+    flat = state.view(batch * heads, dk, dv)
+    read = torch.bmm(torch.stack((q, k), 2).view(batch * heads, 2, dk), flat).view(batch, heads, 2, dv)
+    decay = g.exp().unsqueeze(-1)  # [B, H, 1]
+    delta = (v - decay * read[:, :, 1]) * beta.unsqueeze(-1)
+    out = torch.addcmul(decay * read[:, :, 0], (q * k).sum(-1, keepdim=True), delta)
+    state.mul_(decay.unsqueeze(-1))
+    flat.baddbmm_(k.reshape(batch * heads, dk, 1), delta.view(batch * heads, 1, dv))
+    return out
 
 
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
@@ -186,7 +239,7 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     the outputs are  exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j,
     and the state after it is  exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T.  -> [N, H, C, dv].
     """
-    size = q.shape[2]
+    size, dk, dv = q.shape[2], k.shape[-1], v.shape[-1]
     cum = g.cumsum(-1)  # [N, H, C]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [N, H, C, C]
@@ -194,18 +247,23 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     rhs = torch.cat((v * beta.unsqueeze(-1), k * (beta * cum.exp()).unsqueeze(-1)), -1)
     solved = unit_lower_inverse(system) @ rhs
     # U = written - k_decayed @ S0; contiguous, so the scan's products read them without a copy each round
-    written, k_decayed = (x.contiguous() for x in solved.split((v.shape[-1], k.shape[-1]), -1))
+    written, k_decayed = solved.split((dv, dk), -1)
+    written = written.contiguous()
+    # both reads of the chunk's starting state (k_decayed S0 for U, q_decayed S0 for the output): one product
+    reads = torch.cat((k_decayed, q * cum.exp().unsqueeze(-1)), 2)  # [N, H, 2C, dk]
     attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C]
-    q_decayed = q * cum.exp().unsqueeze(-1)
     k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [N, H, dk, C]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
     out = torch.empty_like(v)
     for first, active in rounds:
         chunk = slice(first, first + active)
-        s0 = states[:active]
-        u = written[chunk] - k_decayed[chunk] @ s0
-        out[chunk] = q_decayed[chunk] @ s0 + attn[chunk] @ u
-        states[:active] = s0 * chunk_decay[chunk] + k_to_end[chunk] @ u
+        s0 = states[:active]  # a contiguous prefix: updated in place below, no state-sized temporaries
+        read = reads[chunk] @ s0  # [active, H, 2C, dv]
+        u = (written[chunk] - read[:, :, :size]).view(-1, size, dv)
+        torch.baddbmm(read[:, :, size:].reshape(-1, size, dv), attn[chunk].view(-1, size, size), u,
+                      out=out[chunk].view(-1, size, dv))
+        s0.mul_(chunk_decay[chunk])
+        s0.view(-1, dk, dv).baddbmm_(k_to_end[chunk].view(-1, dk, size), u)
     return out
 
 
@@ -216,8 +274,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q, k: [T, Hv, dk] float32, normalised, q scaled (key heads already repeated for grouped value heads);
     v: [T, Hv, dv] float32; g (log decay), beta: [T, Hv] float32; recurrent: [num_slots, Hv, dk, dv] float32.
     -> [T, Hv, dv] float32."""
+    if plan.all_decode and plan.slot_run is not None:  # the usual decode step: every row in place, in order
+        first = plan.slot_run
+        return recurrent_step(recurrent[first:first + plan.num_tokens], q, k, v, g, beta)
     out = torch.empty_like(v)
-    if plan.decode_tokens is not None:
+    if plan.decode_span is not None:  # in place on the run of slots, rows laid out in slot order
+        first, count = plan.decode_span
+
+        def laid(x: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [count, ...]; zero rows (an identity) between
+            return torch.cat((x, x.new_zeros((1, *x.shape[1:])))).index_select(0, plan.decode_span_rows)
+
+        o = recurrent_step(recurrent[first:first + count], laid(q), laid(k), laid(v), laid(g), laid(beta))
+        out[plan.decode_tokens] = o.index_select(0, plan.decode_place)
+    elif plan.decode_tokens is not None:
         rows, slots = plan.decode_tokens, plan.decode_slots
         state = recurrent.index_select(0, slots)
         out[rows] = recurrent_step(state, q[rows], k[rows], v[rows], g[rows], beta[rows])

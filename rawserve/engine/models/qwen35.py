@@ -14,9 +14,9 @@ from torch import nn
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, can_map, load_weights, read_model_config, \
     read_safetensors_header, safetensors_files
-from rawserve.engine.lora import LoraBatch, LoraWeights
+from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, apply_rope, \
-    cpu_prepack_supported, rms_norm
+    cpu_prepack_supported
 from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, \
     gated_delta_rule, l2_normalize, plan_delta_step
 from rawserve.engine.quant import QuantPlan
@@ -65,11 +65,11 @@ class Qwen35Layer(LinearOwner):
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return offset_rms_norm(x, self.norm_scales[name], self.cfg.rms_norm_eps)
 
-    def mlp_block(self, x: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    def mlp_block(self, x: torch.Tensor, mixed: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """x + mixed, then the MLP's residual: the layer's output hidden states."""
         h = x + mixed
-        gate, up = self.linear(self.norm(h, "post_attention_layernorm"), "gate_up_proj").chunk(2, dim=1)
-        return h + self.linear(F.silu(gate) * up, "down_proj")
+        gate, up = self.linear(self.norm(h, "post_attention_layernorm"), "gate_up_proj", lora=lora).chunk(2, dim=1)
+        return h + self.linear(F.silu(gate) * up, "down_proj", lora=lora)
 
 
 class GatedDeltaNetLayer(Qwen35Layer):
@@ -90,8 +90,11 @@ class GatedDeltaNetLayer(Qwen35Layer):
         self.A_log = _param(self.num_v_heads, dtype=dtype)
         self.gated_norm = _param(self.head_v_dim, dtype=dtype)
         self.out_proj = _param(cfg.hidden_size, self.value_dim, dtype=dtype)
-        self.conv_taps: torch.Tensor | None = None  # [conv_dim, K] (fuse_qk_norm)
+        self.conv_taps: torch.Tensor | None = None  # [K, conv_dim] float32 (fuse_qk_norm)
         self.neg_decay_rate: torch.Tensor | None = None  # [Hv] float32: -exp(A_log)
+        self.dt_bias_f32: torch.Tensor | None = None  # [Hv] float32
+        self.gated_norm_f32: torch.Tensor | None = None  # [dv] float32
+        self.qk_scale: torch.Tensor | None = None  # [2 Hk, 1] float32: dk^-0.5 on q's heads, 1 on k's
 
     def targets(self, prefix: str) -> dict[str, Target]:
         conv, value, heads = self.conv_dim, self.value_dim, self.num_v_heads
@@ -109,33 +112,40 @@ class GatedDeltaNetLayer(Qwen35Layer):
 
     def fuse_qk_norm(self) -> None:
         super().fuse_qk_norm()
-        self.conv_taps = self.conv1d.detach()[:, 0]
+        self.conv_taps = self.conv1d.detach()[:, 0].t().float().contiguous()
         self.neg_decay_rate = -self.A_log.detach().float().exp()
+        self.dt_bias_f32 = self.dt_bias.detach().float()
+        self.gated_norm_f32 = self.gated_norm.detach().float()
+        heads = self.num_k_heads
+        self.qk_scale = torch.tensor([self.head_k_dim ** -0.5] * heads + [1.0] * heads,
+                                     device=self.A_log.device).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, state: LayerState, plan: DeltaPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: LayerState, plan: DeltaPlan,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         conv_state, recurrent = state
         if plan.fresh_slots is not None:  # sequences with no token computed yet start from zeros
             conv_state.index_fill_(0, plan.fresh_slots, 0)
             recurrent.index_fill_(0, plan.fresh_slots, 0)
         num_tokens = x.shape[0]
-        proj = self.linear(self.norm(x, "input_layernorm"), "in_proj")  # [T, conv + value + 2 Hv]
+        proj = self.linear(self.norm(x, "input_layernorm"), "in_proj", lora=lora)  # [T, conv + value + 2 Hv]
         mixed, z, b, a = proj.split((self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), dim=1)
-        mixed = causal_conv(mixed, self.conv_taps, conv_state, plan).float()  # [T, conv_dim]
+        mixed = causal_conv(mixed, self.conv_taps, conv_state, plan)  # [T, conv_dim] float32
         key_dim = self.num_k_heads * self.head_k_dim
-        q, k, v = mixed.split((key_dim, key_dim, self.value_dim), dim=1)
-        q = l2_normalize(q.view(num_tokens, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
-        k = l2_normalize(k.view(num_tokens, self.num_k_heads, self.head_k_dim))
+        qk, v = mixed.split((2 * key_dim, self.value_dim), dim=1)
+        # q's and k's heads normalised as one [T, 2 Hk, dk] view, q's scale folded into the per-head factor
+        qk = l2_normalize(qk.view(num_tokens, 2 * self.num_k_heads, self.head_k_dim), self.qk_scale)
+        q, k = qk.split(self.num_k_heads, dim=1)
         group = self.num_v_heads // self.num_k_heads
         if group > 1:  # each key head serves `group` consecutive value heads
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
-        v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = b.float().sigmoid()  # [T, Hv]
-        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay, <= 0
+        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias_f32)  # [T, Hv] log decay, <= 0
         o = gated_delta_rule(q, k, v, g, beta, recurrent, plan)  # [T, Hv, dv] float32
         # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head
-        o = rms_norm(o, self.gated_norm.float(), self.cfg.rms_norm_eps)
-        o = (o * F.silu(z.float().view(num_tokens, self.num_v_heads, self.head_v_dim))).to(x.dtype)
-        return self.mlp_block(x, self.linear(o.view(num_tokens, self.value_dim), "out_proj"))
+        o = F.rms_norm(o, o.shape[-1:], self.gated_norm_f32, self.cfg.rms_norm_eps)
+        o = o.mul_(F.silu(z.float()).view(num_tokens, self.num_v_heads, self.head_v_dim)).to(x.dtype)
+        return self.mlp_block(x, self.linear(o.view(num_tokens, self.value_dim), "out_proj", lora=lora), lora)
 
 
 class GatedAttentionLayer(Qwen35Layer):
@@ -175,10 +185,11 @@ class GatedAttentionLayer(Qwen35Layer):
         return t
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                lora: LoraBatch | None = None) -> torch.Tensor:
         cfg = self.cfg
         num_tokens, heads, kv_heads, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.linear(self.norm(x, "input_layernorm"), "qkv_proj", self.qkv_bias)
+        qkv = self.linear(self.norm(x, "input_layernorm"), "qkv_proj", self.qkv_bias, lora)
         qg, k, v = qkv.split((2 * self.q_size, self.kv_size, self.kv_size), dim=1)
         q, gate = qg.view(num_tokens, heads, 2, hd).unbind(2)  # [T, heads, D] each
         q = self.norm(q, "q_norm")  # fresh tensors: the rotation below writes into them
@@ -190,7 +201,7 @@ class GatedAttentionLayer(Qwen35Layer):
         self.attention.write_kv(k, v.reshape(num_tokens, kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
         attn = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
         attn = attn.reshape(num_tokens, self.q_size) * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
-        return self.mlp_block(x, self.linear(attn, "o_proj"))
+        return self.mlp_block(x, self.linear(attn, "o_proj", lora=lora), lora)
 
 
 class Qwen35Model(DecoderModel):
@@ -289,7 +300,6 @@ class Qwen35Model(DecoderModel):
                 state_batch: StateBatch | None = None) -> torch.Tensor:
         """input_ids: [T]; positions: [T] or [3, T] -> final hidden states [T, hidden]. Reads and writes the
         states of the step's slots (state_batch) in place, and the KV cache at meta.slot_mapping."""
-        assert lora is None, "LoRA is refused for Qwen3.5 at enable_lora"
         assert states is not None and state_batch is not None, "a hybrid model's forward needs its states"
         plan = self.plan_states(state_batch, meta)
         x = F.embedding(input_ids, self.embed_tokens).to(self.norm.dtype)  # [T, hidden]
@@ -298,13 +308,10 @@ class Qwen35Model(DecoderModel):
         linear_states = iter(states)
         for layer in self.layers:
             if isinstance(layer, GatedDeltaNetLayer):
-                x = layer(x, next(linear_states), plan)
+                x = layer(x, next(linear_states), plan, lora)
             else:
-                x = layer(x, cos, sin, next(kv), meta)
+                x = layer(x, cos, sin, next(kv), meta, lora)
         return offset_rms_norm(x, self.final_norm_scale, self.cfg.rms_norm_eps)
-
-    def enable_lora(self, weights: LoraWeights) -> None:
-        raise ValueError("--enable-lora: LoRA adapters are not supported on Qwen3.5 (hybrid) models yet")
 
 
 def load_qwen35_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.device,
