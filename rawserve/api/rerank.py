@@ -115,8 +115,8 @@ async def create_rerank(ctx: ServingContext, spec: PoolingSpec, request: Request
     big = sum(map(len, texts)) + len(req.query) * len(texts) > RELEASE_GIL_AT
     if spec.scorer == "yes_no":
         ids = yes_no_ids(ctx)
-        build = lambda: (_yes_no_inputs(ctx, req.query, texts, req.instruction or QWEN3_RERANK_INSTRUCTION),  # noqa: E731
-                         [-1] * len(texts))
+        instruction = req.instruction or QWEN3_RERANK_INSTRUCTION
+        build = lambda: (_yes_no_inputs(ctx, req.query, texts, instruction), [-1] * len(texts))  # noqa: E731
         pooling = [PoolingParams("last", logit_ids=ids)] * len(texts)
     else:
         build = lambda: _pair_inputs(ctx, req.query, texts)  # noqa: E731

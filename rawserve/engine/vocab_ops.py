@@ -105,8 +105,8 @@ def probs_at(x: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor, ids: torc
              shift: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities of tokens `ids` [R, N] under softmax((x[row] - shift) / scale) over the whole row, for x's
     rows `rows` [R], divisors `scale` [R] and each row's largest logit `shift` [R] (subtracted first, so a small
-    divisor cannot overflow a logit to inf; found here when None); in row chunks (ROW_CHUNK). Through softmax, not exp or logsumexp:
-    with two threads on a busy CPU those fan a single row out to OpenMP threads and stall for a scheduler
+    divisor cannot overflow a logit to inf; found here when None); in row chunks (ROW_CHUNK). Through softmax, not
+    exp or logsumexp: with two threads on a busy CPU those fan a single row out to OpenMP threads and stall for a scheduler
     tick (16 ms measured, even at 2,048 entries), while softmax keeps a row on one thread."""
     out = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
     for start in range(0, rows.shape[0], ROW_CHUNK):

@@ -83,7 +83,7 @@ def _describe(tp: Any) -> str:
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
     if _is_union(tp):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(dict.fromkeys(_describe(a) for a in typing.get_args(tp)))  # list[str] | list[int]: once
     return _KIND_NAMES.get(origin or tp, getattr(tp, "__name__", str(tp)))
 
 

@@ -40,3 +40,15 @@ def exchange(server: ServerThread, path: str, body: dict, headers: str = "") -> 
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     return int(lines[0].split()[1]), dict(line.lower().split(": ", 1) for line in lines[1:]), rest
+
+
+def dechunk(payload: bytes) -> bytes:
+    """A chunked body (as `exchange` returns it) -> its bytes."""
+    out = b""
+    while True:
+        size, _, rest = payload.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out += rest[:n]
+        payload = rest[n + 2:]

@@ -17,7 +17,7 @@ import pytest
 from rawserve.api.messages_stream import PING_EVENT
 from rawserve.config import EngineConfig, ServerConfig
 from rawserve.http import Request, Router, SSEResponse
-from tests.api.demo_server import exchange, serve_demo
+from tests.api.demo_server import dechunk, exchange, serve_demo
 from tests.api.test_openai_server import ServerThread
 from tests.http.harness import client as raw_client, serve as serve_router
 
@@ -62,17 +62,6 @@ def chat(server):
 
 def post(server, path: str, body: dict, headers: str = f"x-api-key: {KEY}\r\n") -> tuple[int, dict, bytes]:
     return exchange(server, path, body, headers)
-
-
-def dechunk(payload: bytes) -> bytes:
-    out = b""
-    while True:
-        size, _, rest = payload.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            return out
-        out += rest[:n]
-        payload = rest[n + 2:]
 
 
 def sse_events(body: bytes) -> list[tuple[str, dict]]:

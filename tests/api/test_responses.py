@@ -15,6 +15,7 @@ from rawserve.api.protocol import ChatMessage
 from rawserve.api.response_store import ResponseStore, StoredResponse
 from rawserve.api.responses import OutputItems, chat_messages, input_items
 from rawserve.config import EngineConfig, ServerConfig
+from tests.api.demo_server import dechunk
 from tests.api.test_openai_server import ServerThread, raw, wait_idle
 
 openai = pytest.importorskip("openai")
@@ -49,17 +50,6 @@ def client(server):
 
 def post(server, body: dict, key: str = KEY) -> tuple[int, bytes]:
     return raw(server, "POST", "/v1/responses", orjson.dumps(body), f"authorization: Bearer {key}\r\n")
-
-
-def dechunk(payload: bytes) -> bytes:
-    out = b""
-    while True:
-        size, _, rest = payload.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            return out
-        out += rest[:n]
-        payload = rest[n + 2:]
 
 
 def test_string_input_gives_a_response_object_with_usage(client):
