@@ -15,7 +15,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rawserve"
 # The grammar compilers are in it too: the API compiles a request's grammar (pure Python, no torch) and the
 # core walks it over the vocabulary (guided/matcher.py and guided/vocab.py, which stay core-only).
 SEAM = {"rawserve.engine.types", "rawserve.engine.messages", "rawserve.engine.ipc", "rawserve.engine.rules",
-        "rawserve.engine.launch", "rawserve.engine.cpu_budget", "rawserve.engine.pooling", *(f"rawserve.engine.guided.{name}" for name in (
+        "rawserve.engine.launch", "rawserve.engine.cpu_budget", "rawserve.engine.pooling",
+        "rawserve.engine.mm_inputs", *(f"rawserve.engine.guided.{name}" for name in (
             "grammar", "nfa", "automaton", "regex", "json_schema", "json_compiler", "json_keywords", "json_strings",
             "json_numbers", "json_formats", "gbnf", "tool_calls"))}
 STDLIB_ONLY = {"rawserve.config", "rawserve.errors", "rawserve.metrics", "rawserve.process_stats"}
