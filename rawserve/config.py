@@ -314,6 +314,23 @@ class ServerConfig:
     ssl_keyfile: str | None = field(default=None, metadata={
         "help": "PEM private key: serve HTTPS (with --ssl-certfile) on the same asyncio stack."})
     ssl_certfile: str | None = field(default=None, metadata={"help": "PEM certificate chain for --ssl-keyfile."})
+    limit_mm_per_prompt: str = field(default="image=8", metadata={
+        "help": "Media items one prompt may carry, per modality: vLLM's form, 'image=4' or JSON '{\"image\": 4}' "
+                "(image is the modality rawserve takes; 0 refuses images)."})
+    allowed_media_domains: list[str] = field(default_factory=list, metadata={
+        "help": "Hosts http(s) image URLs may name (each redirect's too); several after one flag. None: any "
+                "host the server can reach.", "nargs": "+"})
+    allowed_local_media_path: str | None = field(default=None, metadata={
+        "help": "Directory file:// image URLs may read from (symlinks resolved first). None: no file:// URLs."})
+    media_fetch_timeout_s: float = field(default=10.0, metadata={
+        "help": "Time to fetch one http(s) image, redirects included; a 400 past it."})
+    max_image_bytes: int = field(default=20 * 1024 * 1024, metadata={
+        "help": "Encoded bytes of one image at most (data:, fetched or file://); a 400 past it."})
+    max_image_pixels: int = field(default=4096 * 4096, metadata={
+        "help": "Pixels of one decoded image at most, checked from its header before it is decoded (a "
+                "decompression-bomb guard); a 400 past it."})
+    max_request_image_pixels: int = field(default=2 * 4096 * 4096, metadata={
+        "help": "Decoded pixels of all of one request's images together at most; a 400 past it."})
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
@@ -340,10 +357,29 @@ class ServerConfig:
                f"must be one of {'|'.join(METRICS_COMPAT)}, got {self.metrics_compat!r}")
         _check((self.ssl_keyfile is None) == (self.ssl_certfile is None), "ssl_certfile",
                "--ssl-keyfile and --ssl-certfile go together")
+        self.mm_limits()  # a malformed --limit-mm-per-prompt fails at startup
+        for name in ("max_image_bytes", "max_image_pixels", "max_request_image_pixels"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(self.media_fetch_timeout_s > 0, "media_fetch_timeout_s", f"must be > 0, got {self.media_fetch_timeout_s}")
+        _check(self.allowed_local_media_path is None or os.path.isdir(self.allowed_local_media_path),
+               "allowed_local_media_path", f"no such directory {self.allowed_local_media_path!r}")
 
     @property
     def scheme(self) -> str:
         return "http" if self.ssl_certfile is None else "https"
+
+    def mm_limits(self) -> dict[str, int]:
+        """--limit-mm-per-prompt as {modality: count}: 'image=4,video=0' or a JSON object."""
+        text = self.limit_mm_per_prompt.strip()
+        try:
+            limits = json.loads(text) if text.startswith("{") else {
+                key.strip(): int(value) for key, _, value in (item.partition("=") for item in text.split(",") if item)}
+        except ValueError:
+            limits = None
+        _check(isinstance(limits, dict) and all(isinstance(k, str) and k and type(v) is int and v >= 0
+                                                for k, v in limits.items()), "limit_mm_per_prompt",
+               f"expected 'image=N' or a JSON object of counts >= 0, got {self.limit_mm_per_prompt!r}")
+        return limits
 
     def api_keys(self) -> dict[str, int | None]:
         """Every accepted key (--api-key, then --api-key-file) with its tokens-per-minute limit (None: none)."""

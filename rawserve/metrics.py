@@ -95,6 +95,13 @@ SPECS: dict[str, MetricSpec] = {
                                        label="task", label_values=("embed", "rerank"), vllm=False),
     "pooling_request_latency_seconds": MetricSpec("histogram", "Time from arrival to the answer of an embedding "
                                                                "or rerank request.", REQUEST_BUCKETS, vllm=False),
+    "mm_items_received_total": MetricSpec("counter", "Media items read, decoded and placed in prompts, by modality.",
+                                          label="modality", label_values=("image",), vllm=False),
+    "mm_encoder_seconds_total": MetricSpec("counter", "Time the engine core spent in the vision tower (encoder "
+                                                      "cache misses).", vllm=False),
+    "mm_encoder_cache_hits_total": MetricSpec("counter", "Images whose encoding came from the encoder cache.",
+                                              vllm=False),
+    "mm_encoder_cache_misses_total": MetricSpec("counter", "Images the vision tower encoded.", vllm=False),
 }
 CACHE_CONFIG_INFO = "cache_config_info"  # a gauge fixed at 1, its value in labels (vLLM's Info emulation)
 

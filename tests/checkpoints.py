@@ -180,3 +180,121 @@ def write_qwen_like_tokenizer(directory: str | pathlib.Path, chat_template: str 
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
                                                      encoding="utf-8")
     return directory
+
+
+# ---- tiny random vision-language checkpoints (Qwen3.5, Qwen3-VL) with the real tokenizers and templates ---------
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+# Patch 16, merge 2 and temporal patch 2 as published; a 4 x 4 learned position grid, so every image interpolates.
+# Weights drawn wider than transformers' 0.02, so the image (and DeepStack's features) move the text's greedy ids.
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                   temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.2)
+# Small min/max pixels (published: 65,536 and 16,777,216), so test images stay at a few dozen tokens.
+TINY_PREPROCESSOR = {"size": {"shortest_edge": 64 * 64, "longest_edge": 192 * 192}, "patch_size": 16,
+                     "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                     "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "rescale_factor": 1 / 255,
+                     "do_normalize": True, "do_convert_rgb": True, "resample": 3,
+                     "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor"}
+
+
+def _fixtures_dir() -> pathlib.Path:
+    for root in (FIXTURES, pathlib.Path("/work/shared/fixtures")):
+        if root.is_dir():
+            return root
+    raise FileNotFoundError(f"{FIXTURES}: the shared fixtures are missing")
+
+
+def _write_vl(directory: pathlib.Path, model, tokenizer: str, seed: int, preprocessor: dict | None) -> None:
+    """Randomise what transformers' init leaves neutral, save, and add the tokenizer files and processor config."""
+    import shutil
+
+    import torch
+
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" in name and (name.endswith(("norm.weight", "norm1.weight", "norm2.weight"))):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif "visual" in name and name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif "visual" in name and name.endswith("pos_embed.weight"):
+                param.copy_(0.5 * torch.randn_like(param))
+    model.save_pretrained(directory, safe_serialization=True)
+    source = _fixtures_dir() / tokenizer
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / file, directory / file)
+    (directory / "preprocessor_config.json").write_text(json.dumps({**TINY_PREPROCESSOR, **(preprocessor or {})}))
+
+
+def make_qwen35_vl_checkpoint(directory: str | pathlib.Path, *, seed: int = 0, vision: dict | None = None,
+                              preprocessor: dict | None = None, **text_overrides) -> pathlib.Path:
+    """A tiny random Qwen3_5ForConditionalGeneration (hybrid text stack, vision tower under model.visual) with
+    Qwen3.5's tokenizer layout and chat template (../shared/fixtures/qwen35-tokenizer): the vocabulary is the
+    real 248,320 rows, so the image placeholder (248056) and the vision markers are the published ids."""
+    import torch
+    import transformers
+
+    from tests.qwen35_checkpoints import TINY_TEXT
+
+    directory = pathlib.Path(directory)
+    text = {**TINY_TEXT, "vocab_size": 248320, "eos_token_id": 248046, "bos_token_id": None,
+            "initializer_range": 0.1, "tie_word_embeddings": True, **text_overrides}
+    vis = {**TINY_VISION, "out_hidden_size": text["hidden_size"], **(vision or {})}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vis, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():  # as make_qwen35_checkpoint: norms and the delta rule's parameters away from neutral
+        for name, param in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("norm.weight"):
+                param.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.2 * torch.randn_like(param))
+            elif name.endswith(("dt_bias", "conv1d.weight")):
+                param.copy_(0.5 * torch.randn_like(param))
+    _write_vl(directory, model, "qwen35-tokenizer", seed, preprocessor)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [248046, 248044]}))
+    return directory
+
+
+def make_qwen3_vl_checkpoint(directory: str | pathlib.Path, *, seed: int = 0, vision: dict | None = None,
+                             preprocessor: dict | None = None, **text_overrides) -> pathlib.Path:
+    """A tiny random Qwen3VLForConditionalGeneration (Qwen3 text stack with interleaved M-RoPE, a vision tower
+    with DeepStack mergers feeding the first text layers) with Qwen3's tokenizer and template
+    (../shared/fixtures/qwen3-tokenizer): image placeholder 151655, vocabulary 151,936 rows."""
+    import torch
+    import transformers
+
+    directory = pathlib.Path(directory)
+    text = {**dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                   rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
+                                    "mrope_interleaved": True}), **text_overrides}
+    vis = {**TINY_VISION, "depth": 3, "out_hidden_size": text["hidden_size"], "deepstack_visual_indexes": [0, 1],
+           **(vision or {})}
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vis, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" not in name and name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    _write_vl(directory, model, "qwen3-tokenizer", seed, preprocessor)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    return directory
+
+
+def load_hf_vl(directory: str | pathlib.Path, dtype: str = "float32"):
+    """transformers' model for a checkpoint from make_qwen35_vl_checkpoint or make_qwen3_vl_checkpoint."""
+    import torch
+    import transformers
+
+    arch = json.loads((pathlib.Path(directory) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
+
+
+def hf_image_processor(directory: str | pathlib.Path):
+    """transformers' PIL image processor (no torchvision needed) reading the checkpoint's preprocessor_config.json."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(directory)

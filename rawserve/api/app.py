@@ -18,6 +18,7 @@ from rawserve.api.chat import create_chat_completion
 from rawserve.api.completions import create_completion
 from rawserve.api.embeddings import create_embeddings, pooling_only
 from rawserve.api.guided import GrammarCache
+from rawserve.api.media import ImageReader, MediaLimits
 from rawserve.api.messages import (MESSAGES_PATH, anthropic_error_response, anthropic_errors, count_tokens,
                                    create_message)
 from rawserve.api.rate_limit import RateLimiter
@@ -121,6 +122,8 @@ class OpenAIServer:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
         self.defaults = generation_defaults(model_dir, self.tokenizer, server_config.generation_config)
+        self.images = ImageReader.for_checkpoint(model_dir, self.tokenizer.token_to_id,
+                                                 MediaLimits.from_config(server_config), self.model_name)
         # generate, embed or rerank: which routes answer (the core reads the same files for how it pools)
         self.pooling = read_pooling_spec(model_dir, engine_config.runner, engine_config.pooling)
         # Named, not imported: the core (and torch) loads only in the core's thread or process.
@@ -164,7 +167,7 @@ class OpenAIServer:
                              tool_call_parser_for(self.server_config.tool_call_parser, self.chat_template),
                              loras=dict(info.get("loras") or {}), limiter=self.limiter,
                              per_key_cache_salt=self.server_config.per_key_cache_salt,
-                             kv_cache=kv_capacity(info),
+                             kv_cache=kv_capacity(info), images=self.images,
                              grammars=GrammarCache(self.tokenizer,
                                                    compile_timeout_s=self.server_config.guided_compile_timeout_s,
                                                    num_workers=self.server_config.guided_compile_workers))

@@ -10,40 +10,55 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from rawserve.api.guided import ToolForcing, request_spec, think_mode
+from rawserve.api.media import ImagePart
 from rawserve.api.protocol import ChatMessage, ChatRequest
 from rawserve.api.serving import (Caller, ServingContext, UsageTally, chat_logprobs, check_logprobs, choice_chunks,
                                   wants_continuous_usage, wants_usage_chunk)
 from rawserve.engine.frontend.async_llm import RequestStream
 from rawserve.engine.frontend.output_processor import TextOutput
+from rawserve.engine.mm_inputs import MultiModalInputs, expand_placeholders
 from rawserve.errors import APIError
 from rawserve.http import JSONResponse, Request, SSEResponse, parse
 from rawserve.text.chat_template import RESERVED_KWARGS, render_chat
 from rawserve.text.parsers import OutputParser, prompt_opens_reasoning
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Typed messages -> the plain dicts chat templates expect (text parts joined)."""
+def message_dicts(messages: list[ChatMessage], images: list[ImagePart] | None = None) -> list[dict]:
+    """Typed messages -> the plain dicts chat templates expect. Text parts are joined into one string; a message
+    with images keeps its parts in order, as HF's processors hand them to templates ({"type": "image"} and
+    {"type": "text", "text": ...}), and each image part is appended to `images` (when given) with its path."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m.role, str) or not m.role:
             raise APIError(400, "A message's role must be a non-empty string.", param=f"messages.{i}.role")
         content = m.content
         if isinstance(content, list):
-            parts = []
+            parts: list[dict] = []
             for j, part in enumerate(content):
-                if part.get("type") != "text":
-                    raise APIError(400, f"Content part type {part.get('type')!r} is not supported; only 'text' "
+                kind = part.get("type")
+                if kind == "image_url":
+                    url = image_url(part, f"messages.{i}.content.{j}")
+                    if images is not None:
+                        images.append(ImagePart(url, f"messages.{i}.content.{j}"))
+                    parts.append({"type": "image"})
+                    continue
+                if kind != "text":
+                    raise APIError(400, f"Content part type {kind!r} is not supported; 'text' and 'image_url' "
                                         "parts are.", param=f"messages.{i}.content.{j}")
                 if not isinstance(part.get("text"), str):
                     got = "no 'text'" if part.get("text") is None else f"'text' of type {type(part['text']).__name__}"
                     raise APIError(400, f"A content part of type 'text' needs a string 'text'; this one has {got}.",
                                    param=f"messages.{i}.content.{j}.text")
-                parts.append(part["text"])
-            content = "".join(parts)
+                if parts and parts[-1]["type"] == "text":  # adjacent texts join, as they always have
+                    parts[-1] = {"type": "text", "text": parts[-1]["text"] + part["text"]}
+                else:
+                    parts.append({"type": "text", "text": part["text"]})
+            has_image = any(p["type"] == "image" for p in parts)
+            content = parts if has_image else "".join(p["text"] for p in parts)
         message: dict = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
@@ -56,6 +71,20 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
                 "name": call.function.name, "arguments": call.function.arguments}} for call in m.tool_calls]
         out.append(message)
     return out
+
+
+def image_url(part: dict, param: str) -> str:
+    """An OpenAI image part's URL: {"type": "image_url", "image_url": {"url": ..., "detail": ...}}. detail is
+    checked and otherwise unused: the checkpoint's processor decides the resolution."""
+    body = part.get("image_url")
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str) or not body["url"]:
+        raise APIError(400, "A content part of type 'image_url' needs an object 'image_url' with a non-empty string "
+                            "'url'.", param=f"{param}.image_url", code="invalid_value")
+    detail = body.get("detail")
+    if detail is not None and detail not in ("auto", "low", "high"):
+        raise APIError(400, f"Invalid value for '{param}.image_url.detail': expected 'auto', 'low' or 'high'.",
+                       param=f"{param}.image_url.detail", code="invalid_value")
+    return body["url"]
 
 
 def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
@@ -84,8 +113,9 @@ def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
     return ToolForcing(tuple(tools), parallel, ctx.tool_call_parser)
 
 
-def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
-    """-> (prompt text, whether tool calls are parsed)."""
+def render_prompt(ctx: ServingContext, req: ChatRequest, images: list[ImagePart] | None = None) -> tuple[str, bool]:
+    """-> (prompt text, whether tool calls are parsed). Each image renders as the template's one placeholder;
+    its part is appended to `images` when given."""
     if not req.messages:
         raise APIError(400, "messages must be a non-empty array.", param="messages")
     if ctx.chat_template is None:
@@ -103,7 +133,7 @@ def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
         raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: the server provides it.",
                        param=f"chat_template_kwargs.{reserved[0]}")
     tok = ctx.tokenizer
-    messages = message_dicts(req.messages)
+    messages = message_dicts(req.messages, images)
     add_generation_prompt = req.add_generation_prompt and not req.continue_final_message
     try:
         text = render_chat(ctx.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
@@ -111,7 +141,7 @@ def render_prompt(ctx: ServingContext, req: ChatRequest) -> tuple[str, bool]:
     except ValueError as error:
         raise APIError(400, f"Chat template error: {error}", param="messages") from None
     if req.continue_final_message:
-        last = messages[-1].get("content") or ""
+        last = final_text(messages[-1].get("content"))
         cut = text.rfind(last) if last else -1
         if cut >= 0:
             text = text[:cut + len(last)]
@@ -137,7 +167,15 @@ def echoed_content(req: ChatRequest) -> str:
     (a reply being continued); otherwise nothing."""
     if not req.echo or not req.messages or req.messages[-1].role != "assistant":
         return ""
-    return message_dicts(req.messages[-1:])[0].get("content") or ""
+    return final_text(message_dicts(req.messages[-1:])[0].get("content"))
+
+
+def final_text(content: str | list[dict] | None) -> str:
+    """A rendered message's content as the text a continued reply follows: with images, its last text part
+    (nothing when it ends in an image)."""
+    if isinstance(content, list):
+        return content[-1].get("text", "") if content else ""
+    return content or ""
 
 
 @dataclass(slots=True)
@@ -150,17 +188,49 @@ class ChatRun:
     decide: Callable  # finish_reason(out, parser), bound to this request's tool_choice
 
 
-async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, caller: Caller) -> ChatRun:
-    """Template, tools, structured output, tokens, sampling params and admission: every refusal is an
-    APIError raised here, before a response header. Errors name chat's fields (messages, max_tokens).
+async def prompt_ids(ctx: ServingContext, req: ChatRequest,
+                     image_params: Sequence[str] | None = None) -> tuple[str, bool, list[int], MultiModalInputs | None]:
+    """The rendered prompt, whether tool calls are parsed, its ids with each image's placeholder expanded to the
+    image's tokens, and the images (None without any). `image_params`: the image parts' paths as the client
+    named them, in order, when the request came in another API's shape (Responses, Messages)."""
+    parts: list[ImagePart] = []
+    text, use_tools = render_prompt(ctx, req, parts)
+    if image_params is not None:
+        parts = [ImagePart(part.url, param) for part, param in zip(parts, image_params, strict=True)]
+    if parts and ctx.images is None:
+        raise APIError(400, "This server takes no images.", param=parts[0].param, code="images_unsupported")
+    if parts:
+        ctx.images.check(parts)  # before the prompt is tokenized or any image fetched
+    # The template already put BOS (or not) where the model wants it.
+    ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")
+    if not parts:
+        if ctx.images is not None and ctx.images.image_token_id is not None \
+                and ctx.images.image_token_id in ids:  # the core would look for an image that is not there
+            raise APIError(400, "The prompt spells the image placeholder token but carries no image.",
+                           param="messages")
+        return text, use_tools, ids, None
+    placed = ids.count(ctx.images.image_token_id)
+    if placed != len(parts):  # checked before any image is fetched; expand_placeholders relies on it
+        raise APIError(400, f"The chat template does not place this request's images: the prompt holds {placed} "
+                            f"image placeholder(s) for {len(parts)} image(s). (A text part must not spell the image "
+                            "placeholder itself.)", param="messages")
+    images = await ctx.images.read(parts)
+    ids, images = expand_placeholders(ids, ctx.images.image_token_id, images)
+    ctx.llm.metrics.inc("mm_items_received_total", len(images), label_value="image")
+    return text, use_tools, ids, MultiModalInputs(images)
+
+
+async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, caller: Caller,
+                     image_params: Sequence[str] | None = None) -> ChatRun:
+    """Template, images, tools, structured output, tokens, sampling params and admission: every refusal is an
+    APIError raised here, before a response header. Errors name chat's fields (messages, max_tokens), or an
+    image part by its path in `image_params` (see prompt_ids).
     `caller`: the request's key (token bucket, cache salt) and its own deadline."""
     check_logprobs(req.top_logprobs, "top_logprobs")
-    text, use_tools = render_prompt(ctx, req)
+    text, use_tools, ids, features = await prompt_ids(ctx, req, image_params)
     forced = tool_forcing(ctx, req)
     spec = request_spec(req, tools=forced, think=think_mode(text, ctx.reasoning_parser))
     guided = await ctx.grammars.get(spec) if spec is not None else None
-    # The template already put BOS (or not) where the model wants it.
-    ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")
     ctx.check_prompt_ids(ids, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     opened = prompt_opens_reasoning(text) if ctx.reasoning_parser else None
@@ -172,7 +242,7 @@ async def start_chat(ctx: ServingContext, req: ChatRequest, rid: str, caller: Ca
     hidden = tuple(m for m in markers if ctx.tokenizer.token_to_id(m) in special)
     params = ctx.sampling_params(req, len(ids), None, "messages", logprobs=logprobs, guided=guided,
                                  keep_special_tokens=hidden)
-    streams = ctx.start_streams([ids], params, rid, req, caller)
+    streams = ctx.start_streams([ids], params, rid, req, caller, features=features)
     schemas = {t.function.name: t.function.parameters for t in req.tools or ()}  # what the XML form's values are
     parsers = [OutputParser(ctx.reasoning_parser, use_tools, tool_parser=ctx.tool_call_parser,
                             starts_in_reasoning=opened, hidden_markers=hidden, tools=schemas) for _ in streams]

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from rawserve.api.chat import render_prompt, start_chat
+from rawserve.api.chat import prompt_ids, start_chat
 from rawserve.api.messages_stream import PING_EVENT, MessageRun, error_body, new_id
 from rawserve.api.protocol import (ChatMessage, ChatRequest, FunctionCall, FunctionDefinition, SamplingExtensions,
                                    Tool, ToolCall)
@@ -28,6 +28,7 @@ from rawserve.http.messages import error_response
 log = logging.getLogger("rawserve.api")
 
 MESSAGES_PATH = "/v1/messages"
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # what Anthropic's base64 source takes
 # Claude Code opens its system prompt with a block of billing metadata that changes with every request; kept, it
 # would end each conversation's shared prefix at the first token, and with it every prefix-cache hit.
 _BILLING_HEADER = "x-anthropic-billing-header"
@@ -74,8 +75,6 @@ def _block_type(block: Any, param: str) -> str:
     kind = block.get("type")
     if not isinstance(kind, str):
         raise _bad(f"{param}.type", "Field required.")
-    if kind == "image":
-        raise _bad(f"{param}.type", "images are not supported yet by this server.")
     return kind
 
 
@@ -112,25 +111,64 @@ def _tool_result_text(block: dict, param: str) -> str:
     return "\n".join(texts)
 
 
+def _image_url(block: dict, param: str) -> str:
+    """An image block's source as the URL chat's image parts carry: base64 data becomes a data: URL."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad(f"{param}.source", "Field required.")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = _str_field(source, "media_type", f"{param}.source")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise _bad(f"{param}.source.media_type", f"Input should be one of {', '.join(IMAGE_MEDIA_TYPES)}.")
+        return f"data:{media_type};base64,{_str_field(source, 'data', f'{param}.source')}"
+    if kind == "url":
+        return _str_field(source, "url", f"{param}.source")
+    raise _bad(f"{param}.source.type", "Input should be 'base64' or 'url'.")
+
+
+def _user_content(parts: list[dict]) -> str | list[dict]:
+    """A user message's text (blocks joined by newlines) or, with images, chat's parts in order."""
+    if all(part["type"] == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    merged: list[dict] = []
+    for part in parts:
+        if part["type"] == "text" and merged and merged[-1]["type"] == "text":
+            merged[-1] = {"type": "text", "text": merged[-1]["text"] + "\n" + part["text"]}
+        else:
+            merged.append(part)
+    return merged
+
+
 def _user_turn(blocks: list, param: str) -> list[ChatMessage]:
-    """A user turn's blocks, in order: text joins one user message, each tool_result is a tool message."""
+    """A user turn's blocks, in order: text and images join one user message, each tool_result is a tool
+    message."""
     out: list[ChatMessage] = []
-    texts: list[str] = []
+    parts: list[dict] = []
     for j, block in enumerate(blocks):
         kind = _block_type(block, f"{param}.{j}")
         if kind == "text":
-            texts.append(_str_field(block, "text", f"{param}.{j}"))
+            parts.append({"type": "text", "text": _str_field(block, "text", f"{param}.{j}")})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, f"{param}.{j}")}})
         elif kind == "tool_result":
-            if texts:
-                out.append(ChatMessage("user", "\n".join(texts)))
-                texts = []
+            if parts:
+                out.append(ChatMessage("user", _user_content(parts)))
+                parts = []
             call_id = _str_field(block, "tool_use_id", f"{param}.{j}")
             out.append(ChatMessage("tool", _tool_result_text(block, f"{param}.{j}"), tool_call_id=call_id))
         else:
-            raise _unsupported(kind, f"{param}.{j}", "text and tool_result blocks in a user message")
-    if texts:
-        out.append(ChatMessage("user", "\n".join(texts)))
+            raise _unsupported(kind, f"{param}.{j}", "text, image and tool_result blocks in a user message")
+    if parts:
+        out.append(ChatMessage("user", _user_content(parts)))
     return out
+
+
+def image_params(req: MessagesRequest) -> list[str]:
+    """Each image block's path, in the order chat_messages keeps them (images come only in user turns)."""
+    return [f"messages.{i}.content.{j}" for i, message in enumerate(req.messages or ())
+            if message.get("role") == "user" and isinstance(message.get("content"), list)
+            for j, block in enumerate(message["content"]) if isinstance(block, dict) and block.get("type") == "image"]
 
 
 def _assistant_turn(blocks: list, param: str) -> ChatMessage:
@@ -283,7 +321,7 @@ async def create_message(ctx: ServingContext, request: Request) -> JSONResponse 
     chat = chat_request(req)
     rid = new_id("msg")
     try:
-        run = await start_chat(ctx, chat, rid, ctx.caller(request))
+        run = await start_chat(ctx, chat, rid, ctx.caller(request), image_params(req))
     except APIError as error:
         raise _renamed(error) from None
     message = MessageRun(ctx, req, rid, run)
@@ -298,8 +336,7 @@ async def count_tokens(ctx: ServingContext, request: Request) -> JSONResponse:
     ctx.check_model(req.model)
     chat = chat_request(req, counting=True)
     try:
-        text, _ = render_prompt(ctx, chat)
-        ids = await ctx.encode(text, add_special_tokens=False, prompt_param="messages")
+        _, _, ids, _ = await prompt_ids(ctx, chat, image_params(req))  # images read too: their tokens count
     except APIError as error:
         raise _renamed(error) from None
     return JSONResponse({"input_tokens": len(ids)})

@@ -82,8 +82,9 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                            code="string_above_max_length")
 
 
-def _text_of(content: Any, param: str) -> str:
-    """A message's (or a tool output's) text: a string, or text parts joined; any other part is a 400."""
+def _text_of(content: Any, param: str, images: bool = False) -> str:
+    """A message's (or a tool output's) text: a string, or text parts joined; any other part is a 400, but for
+    input_image parts where `images` allows them (checked here, left out of the text)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -92,11 +93,53 @@ def _text_of(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            _image_url(part, f"{param}.{j}")
+            continue
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(400, f"Content part type {kind!r} is not supported by this server; only text parts "
-                                "(input_text, output_text) are.", param=f"{param}.{j}.type")
+            allowed = "text parts (input_text, output_text) and input_image" if images else \
+                "text parts (input_text, output_text)"
+            raise APIError(400, f"Content part type {kind!r} is not supported here by this server; only {allowed} "
+                                "are.", param=f"{param}.{j}.type")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _image_url(part: dict, param: str) -> str:
+    """An input_image part's URL (a data: URL or an http(s) or file:// one); file_id names an upload this
+    server has no store for."""
+    url = part.get("image_url")
+    if part.get("file_id") is not None and url is None:
+        raise APIError(400, "input_image with file_id is not supported by this server (it has no file store); "
+                            "send image_url.", param=f"{param}.file_id")
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"Missing required parameter: '{param}.image_url'.", param=f"{param}.image_url",
+                       code="missing_required_parameter")
+    detail = part.get("detail")
+    if detail is not None and detail not in ("auto", "low", "high"):
+        raise APIError(400, f"Invalid value for '{param}.detail': expected 'auto', 'low' or 'high'.",
+                       param=f"{param}.detail", code="invalid_value")
+    return url
+
+
+def _message_content(content: Any) -> str | list[dict]:
+    """A checked message item's content for chat: its text, or with images chat's parts in order."""
+    if isinstance(content, str) or not any(part.get("type") == "input_image" for part in content):
+        return _text_of(content, "input")
+    return [{"type": "image_url", "image_url": {"url": part["image_url"]}} if part["type"] == "input_image"
+            else {"type": "text", "text": part["text"]} for part in content]
+
+
+def image_params(history: list[dict], items: list[dict]) -> list[str]:
+    """Each input_image's path in the order chat_messages keeps them: this request's as input.K.content.J, an
+    earlier turn's as the previous_response_id that brought it."""
+    def images(item: dict) -> list[int]:
+        content = item.get("content") if item.get("type") == "message" else None
+        return [j for j, part in enumerate(content) if part.get("type") == "input_image"] \
+            if isinstance(content, list) else []
+
+    return [*("previous_response_id" for item in history for _ in images(item)),
+            *(f"input.{k}.content.{j}" for k, item in enumerate(items) for j in images(item))]
 
 
 def _required_str(item: dict, key: str, param: str) -> str:
@@ -127,7 +170,7 @@ def input_items(value: str | list[dict] | None) -> list[dict]:
                 raise APIError(400, f"Invalid value for '{param}.role': expected one of {', '.join(_ROLES)}.",
                                param=f"{param}.role", code="invalid_value")
             content = item.get("content")
-            text = _text_of(content, f"{param}.content")
+            text = _text_of(content, f"{param}.content", images=role != "assistant")
             if isinstance(content, str):
                 content = [{"type": "output_text" if role == "assistant" else "input_text", "text": text}]
             items.append({"id": item.get("id") or _new_id("msg"), "type": "message", "role": role,
@@ -163,7 +206,7 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
             reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
         elif kind == "message":
             role = item["role"]
-            messages.append(ChatMessage(role, _text_of(item["content"], "input")))
+            messages.append(ChatMessage(role, _message_content(item["content"])))
             if role == "assistant":
                 messages[-1].reasoning_content, reasoning = reasoning, None
         elif kind == "function_call":
@@ -488,7 +531,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     rid = _new_id("resp")
     try:
         chat = chat_request(req, chat_messages(req.instructions, history + items))
-        run = await start_chat(ctx, chat, rid, ctx.caller(request))
+        run = await start_chat(ctx, chat, rid, ctx.caller(request), image_params(history, items))
     except APIError as error:
         raise _renamed(error) from None
     response = ResponseRun(ctx, store, req, rid, items, previous, request.api_key, run)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from rawserve.api import access_log, body_gate
 from rawserve.api.guided import GrammarCache
+from rawserve.api.media import ImageReader
 from rawserve.api.protocol import SamplingFields
 from rawserve.api.rate_limit import RateLimiter, Reservation
 from rawserve.engine import rules
@@ -54,6 +55,7 @@ class ServingContext:
     limiter: RateLimiter | None = None  # per-key token buckets (--rate-limit-tpm); None: unlimited
     per_key_cache_salt: bool = True  # each API key's prefix-cache blocks are its own
     kv_cache: dict[str, int] = field(default_factory=dict)  # the pool's capacity: {"tokens", "bytes"} (READY's)
+    images: ImageReader | None = None  # reads image parts (api/media); None: every image part is refused
 
     def caller(self, request: Request) -> Caller:
         """Who sent `request`, as admission needs it: its API key and its own deadline (a 400 if malformed)."""
@@ -210,9 +212,11 @@ class ServingContext:
             raise overloaded(error) from None
 
     def start_streams(self, prompts: list[list[int]], params: SamplingParams, rid: str,
-                      req: SamplingFields, caller: Caller | None = None) -> list[RequestStream]:
+                      req: SamplingFields, caller: Caller | None = None,
+                      features: object | None = None) -> list[RequestStream]:
         """One engine request per (prompt, sample); choice index = prompt * n + sample. `caller` brings the
-        request's own deadline and its key (its token bucket and prefix-cache salt).
+        request's own deadline and its key (its token bucket and prefix-cache salt). `features`: every prompt's
+        images (MultiModalInputs), for the one prompt a chat request has.
 
         Admission is all-or-nothing: a refusal part-way aborts the streams already started and refunds the
         tokens charged. A request admitted holds them in `caller.reservation` until its response settles it.
@@ -233,7 +237,8 @@ class ServingContext:
             for i, ids in enumerate(prompts):
                 for j, child in enumerate(rules.samples(params)):
                     streams.append(self.llm.generate(ids, child, f"{rid}-{i}-{j}", req.priority,
-                                                     cache_salt=salt, lora=lora, timeout_s=caller.timeout_s))
+                                                     cache_salt=salt, lora=lora, timeout_s=caller.timeout_s,
+                                                     features=features))
         except (Overloaded, EngineDead, ValueError) as error:
             for stream in streams:
                 self.llm.abort(stream.request_id)

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # text stack under text_config, model.language_model.*
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3VLForConditionalGeneration": "qwen3",  # Qwen3 text (model.language_model.*) with M-RoPE, a vision tower
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -67,6 +68,26 @@ class HybridConfig:
 
 
 @dataclass(slots=True)
+class VisionConfig:
+    """The vision tower of a Qwen3.5 / Qwen3-VL checkpoint (config.json's vision_config, the image token id):
+    what models/vision.py builds and the core's multimodal manager sizes images by."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    hidden_act: str
+    rope_theta: float
+    image_token_id: int
+    deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose output feeds the first text layers
+
+
+@dataclass(slots=True)
 class ModelConfig:
     family: str  # qwen3 | qwen2 | llama | qwen3_5
     architecture: str
@@ -89,6 +110,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     extra: dict = field(default_factory=dict)
     hybrid: HybridConfig | None = None  # qwen3_5 only
+    vision: VisionConfig | None = None  # a conditional-generation checkpoint's vision tower
+    mrope_section: tuple[int, ...] = ()  # Qwen3-VL's text model: interleaved M-RoPE (Qwen3.5's is in hybrid)
 
     @property
     def rotary_dim(self) -> int:
@@ -134,7 +157,7 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     family = SUPPORTED_ARCHITECTURES[arch]
     top = raw
-    if family == "qwen3_5" and "text_config" in raw:  # the conditional-generation form nests the text stack
+    if family in ("qwen3_5", "qwen3") and "text_config" in raw:  # the conditional-generation form nests the text
         raw = raw["text_config"]
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: field 'text_config' must be an object")
@@ -187,7 +210,36 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_5"), rope_scaling=scaling, dtype=_DTYPES[dtype_name],
         eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
         hybrid=(_hybrid_config(path, raw, arch == "Qwen3_5ForConditionalGeneration", need) if family == "qwen3_5"
-                else None))
+                else None),
+        vision=_vision_config(path, top) if arch.endswith("ForConditionalGeneration") else None,
+        mrope_section=tuple(rope_params.get("mrope_section") or ()) if arch == "Qwen3VLForConditionalGeneration"
+        else ())
+
+
+def _vision_config(path: pathlib.Path, top: dict) -> VisionConfig:
+    raw = top.get("vision_config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: field 'vision_config' must be an object")
+    values = {}
+    for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
+                 "spatial_merge_size", "out_hidden_size", "num_position_embeddings"):
+        value = raw.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{path}: field 'vision_config.{name}' must be a positive integer, got {value!r}")
+        values[name] = value
+    if values["hidden_size"] % values["num_heads"] or math.isqrt(values["num_position_embeddings"]) ** 2 \
+            != values["num_position_embeddings"]:
+        raise CheckpointError(f"{path}: vision_config: hidden_size must split into num_heads and "
+                              "num_position_embeddings be a square")
+    image_token_id = top.get("image_token_id")
+    if isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
+        raise CheckpointError(f"{path}: field 'image_token_id' must be an integer, got {image_token_id!r}")
+    deepstack = raw.get("deepstack_visual_indexes") or ()
+    if not all(isinstance(i, int) and 0 <= i < values["depth"] for i in deepstack):
+        raise CheckpointError(f"{path}: vision_config.deepstack_visual_indexes must name blocks, got {deepstack!r}")
+    return VisionConfig(**values, hidden_act=str(raw.get("hidden_act", "gelu_pytorch_tanh")),
+                        rope_theta=float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                        image_token_id=image_token_id, deepstack_indexes=tuple(deepstack))
 
 
 def _hybrid_config(path: pathlib.Path, raw: dict, nested: bool, need: Callable[..., object]) -> HybridConfig:

@@ -23,6 +23,8 @@ from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import load_qwen35_model
+from rawserve.engine.models.qwen3_vl import Qwen3VLTextModel
+from rawserve.engine.multimodal.manager import MultiModalManager
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
@@ -71,8 +73,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     if cfg.hybrid is not None:  # Qwen3.5: its own layer kinds, set-aside tensors and final norm
         return load_qwen35_model(model_dir, dtype, device, cfg, prepack=prepack, attention_backend=attention_backend,
                                  quant=quant)
-    with torch.device("meta"):
-        model = DecoderModel(cfg, dtype, attention_backend)
+    with torch.device("meta"):  # Qwen3-VL's text model: Qwen3's with M-RoPE and DeepStack
+        model = (Qwen3VLTextModel if cfg.mrope_section else DecoderModel)(cfg, dtype, attention_backend)
     on_filled = model.defer_quantized(quant) if quant is not None else None
     model.materialize(device)
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
@@ -84,7 +86,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
         del targets[embedding.name]
     else:
         model.narrow_embedding(head_packed=head_apart)
-    load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset(), on_filled)
+    load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset(), on_filled,
+                 set_aside=model.set_aside)
     if quant is not None:
         model.finish_quantized(quant)
     for layer in model.layers:
@@ -253,6 +256,9 @@ class ModelRunner:
                      self.model.num_quantized,
                      memory.mib(weight_bytes(config.model_dir, self.dtype, cfg, self.device, self.quant)))
         self.model.init_rope(self.max_model_len, self.device)
+        # A vision-language checkpoint's tower and encoder cache (engine/multimodal); None for text-only models
+        self.multimodal = (MultiModalManager.load(config.model_dir, cfg, self.dtype, self.device)
+                           if cfg.vision is not None else None)
         self.lora: LoraWeights | None = None
         if config.lora_enabled:
             self.lora = LoraWeights(cfg, config.max_loras, config.max_lora_rank, self.dtype, self.device)
@@ -549,14 +555,22 @@ class ModelRunner:
     def _hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager forward -> (final hidden states [T, hidden], the logit rows' indices [R])."""
         input_ids, positions, meta, rows = self._metadata(batch)
+        images = self.multimodal.step(batch.seqs) if self.multimodal is not None else None
+        extra = {}
+        if images is not None:  # M-RoPE positions for the whole batch, and the image rows' embeddings
+            positions = images.positions
+            if images.embeds is not None:  # some placeholders in this step (not only decodes after them)
+                extra["embeds"] = (images.rows, images.embeds)
+                if self.multimodal.has_deepstack:
+                    extra["deepstack"] = images.deepstack
         lora = None
         if self.lora is not None and any(inp.lora_slot >= 0 for inp in batch.seqs):  # a base-only step: no work
             token_slots = [s for inp in batch.seqs for s in [inp.lora_slot] * len(inp.token_ids)]
             lora = self.lora.batch(token_slots)
         if self.is_hybrid:  # reads and writes the step's state slots in place
             return self.model(input_ids, positions, self.kv_caches, meta, lora, states=self.states,
-                              state_batch=StateBatch.from_inputs(batch.seqs)), rows
-        return self.model(input_ids, positions, self.kv_caches, meta, lora), rows  # [T, hidden]
+                              state_batch=StateBatch.from_inputs(batch.seqs), **extra), rows
+        return self.model(input_ids, positions, self.kv_caches, meta, lora, **extra), rows  # [T, hidden]
 
     def _rows_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if rows.numel() == 0:
@@ -615,7 +629,8 @@ class ModelRunner:
         """Logits from a captured decode graph, or None when the step must run eagerly (a prefill in it, a
         LoRA row, or more sequences than the largest graph)."""
         graphs, inputs = self.graphs, batch.seqs
-        if graphs is None or not inputs or any(len(inp.token_ids) != 1 or inp.lora_slot >= 0 for inp in inputs):
+        if graphs is None or not inputs or any(len(inp.token_ids) != 1 or inp.lora_slot >= 0
+                                               or inp.features is not None for inp in inputs):  # M-RoPE: eager
             return None
         width = max(len(inp.block_table) for inp in inputs)
         if not graphs.fits(len(inputs), width):

@@ -9,6 +9,7 @@ import enum
 import torch
 
 from rawserve.engine.kv_cache import extend_block_hashes, extra_key
+from rawserve.engine.multimodal.prefix_keys import extend_image_block_hashes
 from rawserve.engine.types import SamplingParams
 
 
@@ -53,9 +54,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # one key per full block of token_ids
         # Keyed by the adapter's load, not only its name: a name reloaded with other weights gets fresh blocks.
         self.hash_extra = extra_key(f"{lora}#{lora_load}" if lora is not None else None, cache_salt)
-        # Features (e.g. image embeddings) change the KV of the tokens that stand for them, and the token ids
-        # alone cannot say which: such a request neither reads nor publishes cached blocks.
-        self.is_cacheable = features is None
+        # Images change the KV of the tokens that stand for them, which the token ids alone cannot say: their keys
+        # go into the block hashes from the first image on (multimodal/prefix_keys.py).
+        self.is_cacheable = True
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.status = RequestStatus.WAITING
         self.queued_at_s = 0.0  # the scheduler's clock when it was queued (time.monotonic by default)
@@ -86,7 +87,11 @@ class Request:
                              params.top_p, params.min_p)
 
     def update_block_hashes(self, block_size: int) -> None:
-        extend_block_hashes(self.block_hashes, self.token_ids, block_size, self.hash_extra)
+        if self.features is not None:
+            extend_image_block_hashes(self.block_hashes, self.token_ids, block_size, self.hash_extra,
+                                      self.features.images)
+        else:
+            extend_block_hashes(self.block_hashes, self.token_ids, block_size, self.hash_extra)
 
     @property
     def num_tokens(self) -> int:

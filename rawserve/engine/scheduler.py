@@ -76,7 +76,8 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.monotonic, max_loras: int = 0, whole_prompts: bool = False,
-                 states: StateCacheManager | None = None) -> None:
+                 states: StateCacheManager | None = None,
+                 encoder_costs: Callable[[Request, int, int], list[tuple[int, int]]] | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -101,6 +102,9 @@ class Scheduler:
         # A hybrid model's state slots: a running request holds one, so admission also waits for a free slot; a
         # prefix hit is cut to the longest prefix with a saved state, and prompts are cut at their save edge.
         self.states = states
+        # A vision model's images still to encode in a token range, as (first token, cost in tokens)
+        # (MultiModalManager.encoder_costs): their encoding is charged to the step's budget (_charge_encoder).
+        self.encoder_costs = encoder_costs
 
     @property
     def num_waiting(self) -> int:
@@ -172,6 +176,18 @@ class Scheduler:
         heapq.heappush(self.waiting, (req.priority, req.arrival, next(self._tiebreak), req))
         self.num_preemptions += 1
 
+    def _charge_encoder(self, req: Request, start: int, num_new: int, budget: int) -> tuple[int, int]:
+        """A chunk [start, start + num_new) of a prompt with images -> (its tokens, the encoder cost it is charged):
+        cut before the first image not yet encoded whose cost would pass the budget, so that image starts a later
+        step with more of the budget (and the text before it runs now). A chunk that starts at such an image runs
+        with it whatever the cost, or the image would never start."""
+        charged = 0
+        for first, cost in self.encoder_costs(req, start, start + num_new):
+            if first > start and num_new + charged + cost > budget:
+                return first - start, charged
+            charged += cost
+        return num_new, charged
+
     def schedule(self) -> list[tuple[Request, int]]:
         if self._has_finished_running:
             self._drop_finished()
@@ -196,6 +212,9 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if states is not None:
                 num_new = states.chunk_limit(req, req.num_computed_tokens, num_new)
+            charged = 0
+            if self.encoder_costs is not None and req.features is not None:
+                num_new, charged = self._charge_encoder(req, req.num_computed_tokens, num_new, budget)
             while not kv.allocate(req.block_ids, req.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -206,7 +225,7 @@ class Scheduler:
                     break
             else:
                 scheduled[req] = num_new
-                budget -= num_new
+                budget -= num_new + charged
 
         # Admit from the queue only when nobody had to yield blocks: otherwise a newcomer would take the
         # blocks a preempted request needs to resume.
@@ -234,6 +253,9 @@ class Scheduler:
                 num_new = min(num_tokens - num_cached, budget)
                 if states is not None:
                     num_new = states.chunk_limit(req, num_cached, num_new)
+                charged = 0
+                if self.encoder_costs is not None and req.features is not None:
+                    num_new, charged = self._charge_encoder(req, num_cached, num_new, budget)
                 if self.whole_prompts and num_new < num_tokens - num_cached:
                     self._release_lora(req)
                     break  # the head waits for a step with room for all of it; nobody overtakes it
@@ -253,7 +275,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 bisect.insort(self.running, req, key=Request.sort_key)
                 scheduled[req] = num_new
-                budget -= num_new
+                budget -= num_new + charged
             for entry in parked:
                 heapq.heappush(waiting, entry)
         return list(scheduled.items())

@@ -100,6 +100,11 @@ class StateCacheManager:
         if not self.enable_saving or not req.is_cacheable:
             return num_new
         edge = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if req.features is not None:  # also the last edge before the first image: prompts that share the text
+            # before it and differ in the image (multimodal/prefix_keys.py) continue from there
+            first = req.features.images[0].offset // self.block_size * self.block_size
+            if start < first < start + num_new:
+                return first - start
         return edge - start if start < edge < start + num_new else num_new
 
     def save(self, req: Request, is_decode: bool) -> None:

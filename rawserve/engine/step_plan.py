@@ -20,6 +20,7 @@ class StepInput:
     lora_slot: int = -1  # the LoRA slot its adapter is resident in, -1 for the base model
     state_slot: int = -1  # hybrid models (Qwen3.5): its linear-attention state slot; -1 for other models
     type_split: int = -1  # encoders: tokens from this index on are the pair's second segment (token type 1)
+    features: object | None = None  # the request's images (MultiModalInputs): M-RoPE positions, placeholder rows
 
 
 @dataclass(slots=True)
@@ -100,6 +101,8 @@ class StepPlan:
             end = start + num_new
             token_ids = req.token_ids
             seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot, req.state_slot))
+            if req.features is not None:
+                seqs[-1].features = req.features
             if req.params.pooling is not None and req.params.pooling.type_split >= 0:
                 seqs[-1].type_split = req.params.pooling.type_split
             is_scoring = req.params.max_tokens == 0

@@ -321,11 +321,21 @@ def _named_template(value: Any, source: str) -> str | None:
 
 
 def checkpoint_chat_template(model_dir: str | os.PathLike) -> str | None:
-    """The checkpoint's own template: chat_template.jinja, else tokenizer_config.json; None if neither."""
+    """The checkpoint's own template: chat_template.jinja, else chat_template.json (a vision checkpoint's
+    processor template, which renders its image placeholders, as transformers' processors load it), else
+    tokenizer_config.json; None if none."""
     model_dir = os.fspath(model_dir)
     path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(path):
         return _read_text(path)
+    path = os.path.join(model_dir, "chat_template.json")
+    if os.path.isfile(path):
+        try:
+            processor = json.loads(_read_text(path))
+        except ValueError as error:
+            raise ChatTemplateError(f"{path}: {error}") from None
+        if isinstance(processor, dict) and processor.get("chat_template") is not None:
+            return _named_template(processor["chat_template"], path)
     path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.isfile(path):
         try:

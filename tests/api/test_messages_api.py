@@ -256,7 +256,7 @@ def test_stop_sequences_end_the_message_with_stop_sequence(client):
      "messages.0.content.0.type: content block type 'hologram' is not supported"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
-     "images are not supported yet"),
+     f"messages.0.content.0: {MODEL} takes no images"),  # a text-only model
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({"max_tokens": 4, "messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]},
      "tool_choice.name"),

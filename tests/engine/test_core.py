@@ -129,14 +129,14 @@ def test_different_cache_salts_never_share_blocks(tiny_qwen3_dir):
     assert final["alice2"].num_cached_tokens == 3 * BLOCK
 
 
-def test_requests_with_features_neither_read_nor_publish_cached_blocks(tiny_qwen3_dir):
+def test_features_on_a_model_without_a_vision_tower_fail_that_request_alone(tiny_qwen3_dir):
+    # (images and the prefix cache: tests/engine/test_vision_engine.py)
     ids = prompt(3 * BLOCK + 1, seed=10)
     core = make_core(tiny_qwen3_dir)
-    _, final, _ = run(core, [("image", ids, greedy(2), 0, {"features": {"image": 1}})])
+    with pytest.raises(ValueError, match="takes no images"):
+        core.add_request("image", ids, greedy(2), features={"image": 1})
     _, final, _ = run(core, [("plain", ids, greedy(2))])
-    assert final["plain"].num_cached_tokens == 0  # the features request published nothing
-    _, final, _ = run(core, [("image2", ids, greedy(2), 0, {"features": {"image": 2}})])
-    assert final["image2"].num_cached_tokens == 0  # and reads nothing, though "plain" published these ids
+    assert final["plain"].num_output_tokens == 2
 
 
 def test_small_pool_preempts_and_gives_exactly_the_large_pool_outputs(tiny_qwen3_dir):

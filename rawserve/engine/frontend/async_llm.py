@@ -28,6 +28,10 @@ from rawserve.process_stats import HeapRelease, render_process_metrics
 __all__ = ["AsyncLLM", "RequestStream", "TextOutput"]
 
 log = logging.getLogger("rawserve.engine.frontend.async_llm")
+# /metrics counters -> the keys the core's multimodal manager reports them under in EngineStats.extra.
+MM_STAT_COUNTERS = (("mm_encoder_seconds_total", "mm_encoder_seconds"),
+                    ("mm_encoder_cache_hits_total", "mm_encoder_cache_hits"),
+                    ("mm_encoder_cache_misses_total", "mm_encoder_cache_misses"))
 
 
 class LoraOpError(ValueError):
@@ -368,6 +372,9 @@ class AsyncLLM:
         self.metrics.set_total("prefix_cache_queries_total", stats.prefix_cache_queries)
         self.metrics.set_total("prefix_cache_hits_total", stats.prefix_cache_hits)
         self.metrics.set_total("num_preemptions_total", stats.num_preemptions)
+        for name, key in MM_STAT_COUNTERS:  # the vision tower's totals, from a core serving a vision model
+            if key in stats.extra:
+                self.metrics.set_total(name, stats.extra[key])
 
     def _die(self, reason: str) -> None:
         """The core failed or exited: fail every request now, and every new one (EngineDead)."""

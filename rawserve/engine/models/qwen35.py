@@ -297,12 +297,16 @@ class Qwen35Model(DecoderModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 lora: LoraBatch | None = None, *, states: list[LayerState] | None = None,
-                state_batch: StateBatch | None = None) -> torch.Tensor:
+                state_batch: StateBatch | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids: [T]; positions: [T] or [3, T] -> final hidden states [T, hidden]. Reads and writes the
-        states of the step's slots (state_batch) in place, and the KV cache at meta.slot_mapping."""
+        states of the step's slots (state_batch) in place, and the KV cache at meta.slot_mapping.
+        embeds: (rows [R], vectors [R, hidden]) that replace those tokens' embeddings (an image's placeholders)."""
         assert states is not None and state_batch is not None, "a hybrid model's forward needs its states"
         plan = self.plan_states(state_batch, meta)
         x = F.embedding(input_ids, self.embed_tokens).to(self.norm.dtype)  # [T, hidden]
+        if embeds is not None:
+            x.index_copy_(0, embeds[0], embeds[1].to(x.dtype))
         cos, sin = self.rope_tables(positions)
         kv = iter(kv_caches)
         linear_states = iter(states)
