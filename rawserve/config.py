@@ -132,6 +132,17 @@ class EngineConfig:
     quantization_group_size: int = field(default=128, metadata={
         "help": "Input columns sharing one scale and zero point under --quantization int4: 32 or 128.",
         "choices": QUANT_GROUP_SIZES})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "Speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+                "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b} drafts from the latest earlier match of the "
+                "last a..b tokens; {\"method\": \"synthetic\", \"num_speculative_tokens\": k, "
+                "\"acceptance_length\": L} (benchmarks only: drafts forced accepted at a mean of L tokens per step, "
+                "as llama.cpp's --spec-synth-len; the output is not the model's); {\"model\": DIR, "
+                "\"num_speculative_tokens\": k}: a smaller checkpoint of the same vocabulary drafts greedily (its own "
+                "KV pool, indexed by the target's block ids). Optional \"disable_by_batch_size\" "
+                "(no drafts once that many rows decode) and \"min_acceptance\" (a row drafting fewer accepted "
+                "tokens per step pauses). Verified in one target step; greedy output is unchanged and sampling "
+                "keeps the target's distribution."})
     runner: str = field(default="auto", metadata={
         "help": "What the checkpoint serves: auto|generate|embed|rerank. auto: a BERT-family encoder embeds (reranks "
                 "with a classification head), a decoder with sentence-transformers' modules.json (Qwen3-Embedding) "
@@ -170,6 +181,17 @@ class EngineConfig:
                 _check(name not in paths, "lora_modules", f"adapter name {name!r} given twice")
                 paths[name] = path
         return paths
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed and checked (ValueError naming the flag), or None without it."""
+        if self.speculative_config is None:
+            return None
+        try:
+            spec = json.loads(self.speculative_config)
+        except ValueError as error:
+            raise ValueError(f"{flag('speculative_config')}: not JSON ({error})") from None
+        _check(isinstance(spec, dict), "speculative_config", f"expected a JSON object, got {spec!r}")
+        return SpeculativeConfig.from_dict(spec)
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -224,6 +246,73 @@ class EngineConfig:
         _check(self.pooling in ("auto", "mean", "cls", "last"), "pooling",
                f"must be one of auto|mean|cls|last, got {self.pooling!r}")
         self.lora_paths()
+        self.speculative()
+
+
+# --speculative-config's methods: what a proposer drafts from (draft_model: {"model": DIR}). Qwen3.5's MTP head and
+# EAGLE are vLLM's others; they are refused at start until rawserve has them.
+SPEC_METHODS = ("ngram", "synthetic", "draft_model")
+SPEC_MAX_TOKENS = 16  # drafts per step: past a handful, acceptance of the last positions is near zero anyway
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """--speculative-config, checked. Fields are vLLM's names (rawserve's own: acceptance_length, min_acceptance)."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    acceptance_length: float = 1.0  # synthetic: mean tokens per verified step, the target's own token included
+    # No drafts in a step where at least this many rows decode: the step is compute-bound there, and verifying
+    # k more positions per row costs nearly k more tokens' work. bench/spec.py, Qwen3-0.6B shape, bf16, one thread
+    # on a loaded 2-core box, k = 4: a verify step cost 1.0-1.3x a plain one at 1 stream and 1.9x at 8 streams,
+    # where only L >= 2.3 gained (1.29x at L = 3, 0.52x at L = 1).
+    disable_by_batch_size: int = 8
+    # A row whose drafts win fewer accepted tokens per step than this (an average over its recent steps) stops
+    # drafting for a while, then tries again: its drafts cost a wider step and buy nothing.
+    min_acceptance: float = 0.1
+    seed: int = 0  # synthetic: its acceptance draws
+    model: str | None = None  # draft_model: the draft checkpoint's directory
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> SpeculativeConfig:
+        name = "speculative_config"
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(spec) - known)
+        _check(not unknown, name, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        method = spec.get("method", "draft_model" if "model" in spec else None)
+        if method in ("mtp", "eagle", "eagle3", "medusa"):
+            _check(False, name, f"method {method!r} is not supported by this build; use one of "
+                                f"{'|'.join(SPEC_METHODS)}")
+        _check(method in SPEC_METHODS, name, f"method must be one of {'|'.join(SPEC_METHODS)}, got {method!r}")
+        values = dict(spec)
+        values["method"] = method
+        if method == "draft_model":
+            model = values.get("model")
+            _check(isinstance(model, str) and os.path.isdir(model), name,
+                   f"the draft model needs \"model\": a checkpoint directory, got {model!r}")
+        else:
+            _check("model" not in values, name, f"\"model\" is for a draft model, not method {method!r}")
+        k = values.get("num_speculative_tokens")
+        _check(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= SPEC_MAX_TOKENS, name,
+               f"num_speculative_tokens must be an integer in 1..{SPEC_MAX_TOKENS}, got {k!r}")
+        for key in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "seed"):
+            value = values.get(key, 1)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= (0 if key == "seed" else 1),
+                   name, f"{key} must be an integer >= {0 if key == 'seed' else 1}, got {value!r}")
+        for key in ("acceptance_length", "min_acceptance"):
+            value = values.get(key, 1.0)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, name,
+                   f"{key} must be a number >= 0, got {value!r}")
+        config = cls(**values)
+        _check(config.prompt_lookup_min <= config.prompt_lookup_max, name,
+               f"prompt_lookup_min ({config.prompt_lookup_min}) must be <= prompt_lookup_max "
+               f"({config.prompt_lookup_max})")
+        if method == "synthetic":
+            _check(1 <= config.acceptance_length <= k + 1, name,
+                   f"acceptance_length must be in 1..num_speculative_tokens + 1 ({k + 1}), got "
+                   f"{config.acceptance_length!r}")
+        return config
 
 
 @dataclass(slots=True)

@@ -89,6 +89,13 @@ SPECS: dict[str, MetricSpec] = {
     "kv_cache_capacity_tokens": MetricSpec("gauge", "Tokens the KV cache pool holds.", vllm=False),
     "engine_threads": MetricSpec("gauge", "The engine core's intra-op (OpenMP) threads now: fewer while other "
                                           "processes keep CPUs busy (auto on a CPU); 0 when not reported.", vllm=False),
+    "spec_decode_num_drafts_total": MetricSpec("counter", "Speculative decoding: drafted rows verified (one per "
+                                                          "row and step)."),
+    "spec_decode_num_draft_tokens_total": MetricSpec("counter", "Speculative decoding: tokens drafted."),
+    "spec_decode_num_accepted_tokens_total": MetricSpec("counter", "Speculative decoding: drafted tokens accepted."),
+    "spec_decode_num_accepted_tokens_per_pos_total": MetricSpec(
+        "counter", "Speculative decoding: drafted tokens accepted, by their position in the draft (0: the first).",
+        label="position"),
     "pooling_requests_total": MetricSpec("counter", "Embedding and rerank requests answered, by task.",
                                          label="task", label_values=("embed", "rerank"), vllm=False),
     "pooling_inputs_total": MetricSpec("counter", "Inputs pooled (texts embedded, documents scored), by task.",
@@ -141,7 +148,8 @@ class Metrics:
         self._histograms: dict[str, tuple[list[int], list[float]]] = {}
         for name, spec in SPECS.items():
             if spec.kind == "counter":
-                for label_value in spec.label_values or (None,):
+                # a labelled counter without fixed values (a draft position) appears with its first value
+                for label_value in spec.label_values or ((None,) if spec.label is None else ()):
                     self._counters[(name, label_value)] = 0.0
             elif spec.kind == "histogram":
                 self._reset_histogram(name, token_buckets(max_model_len) if spec.token_counts else spec.buckets)
@@ -184,9 +192,9 @@ class Metrics:
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + value
 
-    def set_total(self, name: str, value: float) -> None:
+    def set_total(self, name: str, value: float, label_value: str | None = None) -> None:
         """Mirror a counter the engine core keeps itself (prefix cache, preemptions): set its total."""
-        key = self._counter_key(name, None)
+        key = self._counter_key(name, label_value)
         with self._lock:
             self._counters[key] = float(value)
 

@@ -107,6 +107,29 @@ class StatsLogger:
         self.interval_s = interval_s
         self._clock = clock
         self._last = (clock(), *self._counters())
+        self._spec_last = self._spec_counters()
+
+    def _spec_counters(self) -> tuple[float, float, float]:
+        m = self.llm.metrics
+        return (m.counter_value("spec_decode_num_drafts_total"), m.counter_value("spec_decode_num_draft_tokens_total"),
+                m.counter_value("spec_decode_num_accepted_tokens_total"))
+
+    def _spec_part(self, stats: Any) -> str:
+        """Speculative decoding over the interval, as vLLM's SpecDecoding line: mean acceptance length (tokens a
+        verified row emits per step), accepted over drafted tokens, and where drafting is off and why."""
+        spec = stats.extra.get("spec")
+        if spec is None:
+            return ""
+        (drafts0, tokens0, accepted0), counters = self._spec_last, self._spec_counters()
+        self._spec_last = counters
+        drafts, tokens, accepted = (now - then for now, then in zip(counters, (drafts0, tokens0, accepted0)))
+        part = (f", Spec decode: mean acceptance length {1 + accepted / drafts if drafts else 0:.2f}, "
+                f"accepted {accepted:.0f}/{tokens:.0f} draft tokens")
+        if spec["off_reason"]:
+            part += f", {spec['off_reason']}"
+        if spec["num_paused_rows"]:
+            part += f", paused for low acceptance: {spec['num_paused_rows']} rows"
+        return part
 
     def _counters(self) -> tuple[float, float, float, float]:
         m = self.llm.metrics
@@ -128,7 +151,8 @@ class StatsLogger:
         line = (f"Avg prompt throughput: {(prompt - prompt0) / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {(gen - gen0) / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
-                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%")
+                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%"
+                f"{self._spec_part(stats)}")
         log.info("%s", line)
         return line
 

@@ -24,6 +24,7 @@ from rawserve.engine.request import Request
 from rawserve.engine.rules import check_request
 from rawserve.engine.sampler import Sampler, rows_logprobs
 from rawserve.engine.scheduler import Scheduler
+from rawserve.engine.spec.verify import SpecDecoder, VerifyHooks
 from rawserve.engine.state_cache import StateCacheManager
 from rawserve.engine.step_plan import PromptSpan, StepPlan
 from rawserve.engine.thread_governor import ThreadGovernor
@@ -79,6 +80,7 @@ class EngineCore:
         for name, path in config.lora_paths().items():
             self.loras.load(name, path)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
+        self.spec = self._make_spec()  # --speculative-config's drafts and their verification, or None
         self.requests: dict[str, Request] = {}
         # The vocabulary index guided decoding walks (~35 MiB for Qwen3's 151k tokens) is read from its disk cache
         # at the first guided request (tens of ms, once), so a server that never gets one never holds it. Building
@@ -105,6 +107,20 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         release_free_heap()  # what loading, the profiled step and the vocabulary index freed
+
+    def _make_spec(self) -> SpecDecoder | None:
+        spec = self.config.speculative()
+        if spec is None:
+            return None
+        if self.pooling.is_pooling:
+            raise ValueError("--speculative-config: this model pools (embeddings or rerank scores); it never decodes")
+        log.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
+        draft = None
+        if spec.method == "draft_model":
+            from rawserve.engine.spec.draft_model import DraftModelProposer
+
+            draft = DraftModelProposer(self.config, spec.model, self.blocks, self.vocab_size)
+        return SpecDecoder(spec, self.blocks, self.max_model_len, self.states, draft)
 
     def guided_registry(self) -> GuidedRegistry:
         """Grammars and the vocabulary index they walk (ValueError, failing that request alone, without one)."""
@@ -197,7 +213,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
             num_threads=self._num_threads(),
             extra={**self.loras.stats(), **(self.states.stats() if self.states is not None else {}),
-                   **(self.runner.multimodal.stats() if getattr(self.runner, "multimodal", None) is not None else {})})
+                   **(self.runner.multimodal.stats() if getattr(self.runner, "multimodal", None) is not None else {}),
+                   **({"spec": self.spec.stats(self.scheduler.running)} if self.spec is not None else {})})
 
     def _num_threads(self) -> int:
         if self.governor is not None:
@@ -213,7 +230,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update. One output per request that got a token this step; a
         request in the middle of its prompt outputs nothing until the chunk that finishes it."""
+        if self.spec is not None:  # drafts for the rows about to decode, which the scheduler then sizes
+            self.spec.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
+        if self.spec is not None and self.states is not None:  # a hybrid's drafted rows keep a rollback state
+            scheduled = self.spec.hold_states(scheduled)
         self.steps += 1
         if self.governor is not None:
             self.governor.tick()
@@ -228,7 +249,8 @@ class EngineCore:
             self.runner.copy_states(self.states.take_copies())
         # Constrained rows' masks not built yet are built on the guided helper thread while the forward runs
         # (torch ops release the GIL); the step waits only for what outlasts the forward.
-        ahead = self._guided.build_ahead([r.guided for r in plan.sample_reqs if r.guided is not None]) \
+        ahead = self._guided.build_ahead([r.guided for r in plan.sample_reqs + [s.req for s in plan.spec_spans]
+                                          if r.guided is not None]) \
             if self._guided is not None else None
         try:
             if plan.pool_reqs:
@@ -243,7 +265,12 @@ class EngineCore:
         if plan.prompt_spans:
             self._collect_prompt_logprobs(logits, plan.prompt_spans)
         scored = [self._finish_scored(req) for req in plan.scored_reqs] if plan.scored_reqs else []
+        if plan.spec_spans:  # drafted rows: their accepted tokens and the target's next, through the verifier
+            failures: list[tuple[Request, str, Exception]] = []
+            scored += self.spec.verify(plan.spec_spans, logits, self._verify_hooks, failures)
+            scored += [self._fail_alone(req, stage, error) for req, stage, error in failures]
         if not plan.sample_reqs:
+            self._release_if_idle()
             return scored
         # A fault in one request's logits processing, sampling or grammar fails that request alone (_fail_alone);
         # the others' tokens are what they would have been without it. Only the forward and the bookkeeping
@@ -265,6 +292,11 @@ class EngineCore:
         outputs += [self._fail_alone(req, stage, error) for req, stage, error in failures]
         self._release_if_idle()
         return outputs
+
+    @property
+    def _verify_hooks(self) -> VerifyHooks:
+        return VerifyHooks(self._mask_rows, lambda logits, reqs: self.sampler.sample(logits, reqs, may_overwrite=True),
+                           self._update)
 
     def _fail_alone(self, req: Request, stage: str, error: Exception) -> RequestOutput:
         """A fault in one request's `stage` (logits processing, sampling, grammar): that request ends with
@@ -351,12 +383,15 @@ class EngineCore:
         caching = blocks.enable_prefix_caching
         states = self.states if caching else None
         for req, num_new in plan.scheduled:
-            num_computed = req.num_computed_tokens + num_new
+            # A drafted row's drafts are written but not counted: the verifier counts the ones it accepts
+            num_computed = min(req.num_computed_tokens + num_new, len(req.token_ids))
+            is_drafted = num_computed < req.num_computed_tokens + num_new
             req.num_computed_tokens = num_computed
             if caching and req.is_cacheable:
                 req.num_published_blocks = blocks.publish_full_blocks(
                     req.block_ids, req.block_hashes, req.num_published_blocks, num_computed)
-                if states is not None:  # a hybrid's state at a block edge, saved beside that block
+                if states is not None and not is_drafted:  # a hybrid's state at a block edge, saved beside that
+                    # block (a drafted row's state has run past its computed tokens: the verifier saves it)
                     states.save(req, is_decode=num_computed > req.num_prompt_tokens)
         if states is not None:
             self.runner.copy_states(states.take_copies())
@@ -373,6 +408,12 @@ class EngineCore:
         if not plan.samples_every_row:  # some rows were prompt-logprob rows: pick the sampling ones
             rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows)  # [len(sample_reqs), V]
+        return self._mask_rows(logits, reqs, failures)
+
+    def _mask_rows(self, logits: torch.Tensor, reqs: list[Request], failures: list[tuple[Request, str, Exception]]
+                   ) -> tuple[torch.Tensor, list[Request]]:
+        """Each constrained row of logits [len(reqs), V] masked by its grammar's state now, in place -> (rows
+        left, their requests): a request whose grammar raises goes to `failures`, its row dropped."""
         constrained = [(i, req.guided, req.guided_end_ids) for i, req in enumerate(reqs) if req.guided is not None]
         if not constrained:
             return logits, reqs

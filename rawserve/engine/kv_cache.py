@@ -162,6 +162,15 @@ class KVCacheManager:
                     self.free_plain.appendleft(block)
         block_ids.clear()
 
+    def trim(self, block_ids: list[int], num_tokens: int) -> None:
+        """Free the blocks of a table past those num_tokens tokens fill (a speculative step's rejected
+        positions): they hold no accepted token, so none of them was published."""
+        keep = self.blocks_for(num_tokens)
+        if len(block_ids) > keep:
+            tail = block_ids[keep:]
+            del block_ids[keep:]
+            self.free(tail)
+
     def compact(self, keep_cached: int) -> tuple[list[tuple[int, int]], int]:
         """Make room to give pages back: keep the `keep_cached` most recently freed cached blocks (evicting the
         older ones), renumber them onto the lowest ids no request holds, and return (moves, top): the (from, to)

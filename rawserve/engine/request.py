@@ -30,7 +30,8 @@ class Request:
         "block_hashes", "hash_extra", "is_cacheable", "num_published_blocks", "status", "finish_reason",
         "stop_reason", "eos_ids", "stop_ids", "min_tokens_ban", "prompt_logprobs", "prompt_logprobs_done",
         "generator", "penalty_slot", "needs_penalties", "is_plain_greedy", "bias_ids", "bias_values",
-        "sampling_row", "guided", "guided_end_ids", "queued_at_s", "lora_slot", "state_slot",
+        "sampling_row", "guided", "guided_end_ids", "queued_at_s", "lora_slot", "state_slot", "spec_tokens",
+        "spec_state",
     )
 
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
@@ -83,6 +84,10 @@ class Request:
         # What a grammar lets end the output once it accepts: EOS and the explicit stop ids.
         self.guided_end_ids = sorted(self.eos_ids | self.stop_ids)
         # One row of the sampler's per-step parameter table; greedy rows divide by 1, not 0.
+        # Speculative decoding (engine/spec/): the tokens drafted for this step's verification (not in token_ids
+        # until accepted), and the proposer's per-request record (acceptance, pauses)
+        self.spec_tokens: list[int] = []
+        self.spec_state = None
         self.sampling_row = (params.temperature if params.temperature > 0 else 1.0, float(params.top_k),
                              params.top_p, params.min_p)
 

@@ -209,13 +209,18 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # A decode's drafts (speculative decoding) run after its token, as far as the budget goes
+            num_new = min(req.num_tokens - req.num_computed_tokens + len(req.spec_tokens), budget)
             if states is not None:
                 num_new = states.chunk_limit(req, req.num_computed_tokens, num_new)
             charged = 0
             if self.encoder_costs is not None and req.features is not None:
                 num_new, charged = self._charge_encoder(req, req.num_computed_tokens, num_new, budget)
             while not kv.allocate(req.block_ids, req.num_computed_tokens + num_new):
+                if num_new > req.num_tokens - req.num_computed_tokens:  # drafts never cost anyone their blocks
+                    num_new = req.num_tokens - req.num_computed_tokens
+                    req.spec_tokens = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True

@@ -141,6 +141,23 @@ class StateCacheManager:
         if slot is not None:
             self.free_saved.append(slot)
 
+    def snapshot(self, req: Request) -> int:
+        """A free running slot holding a copy of req's state as it is now, or -1 when none is free: speculative
+        decoding's rollback point, lent for one step (end_snapshot gives it back)."""
+        if not self.free_running:
+            return -1
+        slot = self.free_running.pop()
+        self._copies.append((req.state_slot, slot))
+        return slot
+
+    def end_snapshot(self, slot: int, restore_into: int = -1) -> None:
+        """Give a snapshot's slot back, first copying it into `restore_into` (the request's running slot, rolled
+        back past rejected drafts) when that is >= 0. The copies run in order before the next forward, so a later
+        admission into the same slot overwrites it only after the restore has read it."""
+        if restore_into >= 0:
+            self._copies.append((slot, restore_into))
+        self.free_running.append(slot)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (from, to) slot copies owed, in order, for the runner to perform now."""
         copies, self._copies = self._copies, []

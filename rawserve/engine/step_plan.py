@@ -63,6 +63,16 @@ class PromptSpan:
     num_tokens: int  # tokens in this chunk (one row each)
 
 
+@dataclass(slots=True)
+class SpecSpan:
+    """A decode row that carries drafted tokens (speculative decoding): its last real token and the drafts run as
+    one multi-token row, and each of its len(drafts) + 1 positions gets a logits row."""
+
+    req: Request
+    first_row: int  # row first_row + j predicts the token after draft j - 1 (row first_row: after the real token)
+    drafts: list[int]
+
+
 class StepPlan:
     """Built from the scheduler's [(request, num_new_tokens)], before the forward, read by the runner (`batch`)
     and by EngineCore (the rest). The layout per request:
@@ -79,9 +89,13 @@ class StepPlan:
     A pooling request (params.pooling) is a max_tokens 0 request that also gets a span of hidden states per chunk
     that holds tokens its method pools (`pool_reqs`, aligned with `batch.pool_spans`): the last token of the last
     chunk (last), every token of every chunk (mean, summed across chunks by EngineCore), the first token (cls).
+
+    A decode row given more tokens than it has left (num_new past its end) runs its drafts (req.spec_tokens) after
+    its real token; it samples through the verifier (`spec_spans`), not `sample_reqs`.
     """
 
-    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans", "scored_reqs", "pool_reqs")
+    __slots__ = ("scheduled", "batch", "sample_reqs", "sample_rows", "prompt_spans", "scored_reqs", "pool_reqs",
+                 "spec_spans")
 
     def __init__(self, scheduled: list[tuple[Request, int]]) -> None:
         self.scheduled = scheduled  # the scheduler's choice, in batch order
@@ -92,15 +106,18 @@ class StepPlan:
         self.prompt_spans: list[PromptSpan] = []
         self.scored_reqs: list[Request] = []  # prompts finished this step that sample nothing (max_tokens 0)
         self.pool_reqs: list[tuple[Request, int]] = []  # (request, its chunk's start) per pool span
+        self.spec_spans: list[SpecSpan] = []
         pool_spans: list[tuple[int, int]] = []
         sample_reqs = self.sample_reqs
         sample_rows = self.sample_rows
         offset = 0  # flattened index of this sequence's first token
         for req, num_new in scheduled:
             start = req.num_computed_tokens
-            end = start + num_new
             token_ids = req.token_ids
-            seqs.append(StepInput(token_ids[start:end], start, req.block_ids, req.lora_slot, req.state_slot))
+            end = min(start + num_new, len(token_ids))  # the real tokens' end; drafts run past it
+            drafts = req.spec_tokens[:start + num_new - end] if start + num_new > end else None
+            seqs.append(StepInput(token_ids[start:end] + drafts if drafts else token_ids[start:end], start,
+                                  req.block_ids, req.lora_slot, req.state_slot))
             if req.features is not None:
                 seqs[-1].features = req.features
             if req.params.pooling is not None and req.params.pooling.type_split >= 0:
@@ -121,6 +138,9 @@ class StepPlan:
                 if end == len(token_ids) and not is_scoring:
                     sample_reqs.append(req)
                     sample_rows.append(first_row + num_new - 1)
+            elif drafts:
+                self.spec_spans.append(SpecSpan(req, len(logit_indices), drafts))
+                logit_indices.extend(range(offset + num_new - 1 - len(drafts), offset + num_new))
             elif end == len(token_ids) and not is_scoring:
                 sample_reqs.append(req)
                 sample_rows.append(len(logit_indices))

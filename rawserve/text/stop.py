@@ -41,6 +41,10 @@ class StopChecker:
         self._chars = frozenset("".join(self._stops))
         self.stopped: str | None = None
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def add(self, text: str) -> str:
         """The visible part of held text + text. After a match, the rest is dropped for good."""
         if self.stopped is not None:

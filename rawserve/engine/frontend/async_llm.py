@@ -375,6 +375,12 @@ class AsyncLLM:
         for name, key in MM_STAT_COUNTERS:  # the vision tower's totals, from a core serving a vision model
             if key in stats.extra:
                 self.metrics.set_total(name, stats.extra[key])
+        spec = stats.extra.get("spec")
+        if spec is not None:  # speculative decoding's counters, under vLLM's names
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                self.metrics.set_total(f"spec_decode_{name}_total", spec[name])
+            for position, count in enumerate(spec["accepted_per_pos"]):
+                self.metrics.set_total("spec_decode_num_accepted_tokens_per_pos_total", count, str(position))
 
     def _die(self, reason: str) -> None:
         """The core failed or exited: fail every request now, and every new one (EngineDead)."""
@@ -427,6 +433,10 @@ class AsyncLLM:
                 self._send([(MsgKind.ABORT, out.request_id)])
                 self._fail(state, error)
                 continue
+            dropped = num_new - len(text_out.new_token_ids)
+            if dropped > 0:  # a stop string inside a speculative run: the tokens after it are not output
+                state.num_output_tokens -= dropped
+                num_generated -= dropped
             if abort:
                 self._send([(MsgKind.ABORT, out.request_id)])
             state.deliver(text_out)

@@ -5,6 +5,7 @@ whether the core must abort the request) and calls nothing back; it knows no loo
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +61,22 @@ class OutputProcessor:
         visible = ""
         abort = False
         if self._detok is not None:
-            text = self._detok.add(out.new_token_ids)
-            if finished:
-                text += self._detok.flush()
             stop = self._stop
-            visible = stop.add(text)
+            ids = out.new_token_ids
+            # Several ids in one output (a speculative run): one at a time while stop strings may match, so the
+            # output ends at the token that completes one, as it would token by token; later ones are dropped
+            deltas = [ids] if len(ids) <= 1 or not stop.has_stops else [[token] for token in ids]
+            pieces = []
+            for i, delta in enumerate(deltas):
+                text = self._detok.add(delta)
+                if finished and i == len(deltas) - 1:
+                    text += self._detok.flush()
+                pieces.append(stop.add(text))
+                if stop.stopped is not None:
+                    if i < len(deltas) - 1:
+                        out = self._last = _keep_tokens(out, i + 1)
+                    break
+            visible = "".join(pieces)
             if stop.stopped is not None:
                 abort = not finished  # the core is still generating: free its blocks at its next step
                 finished, reason, stop_reason = True, "stop", stop.stopped
@@ -100,3 +112,10 @@ class OutputProcessor:
             return TextOutput(self.rid, "", [], True, "abort")
         return TextOutput(self.rid, "", [], True, "abort", None, num_prompt_tokens=last.num_prompt_tokens,
                           num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens)
+
+
+def _keep_tokens(out: RequestOutput, num: int) -> RequestOutput:
+    """`out` with only its first `num` tokens (and their logprobs)."""
+    return dataclasses.replace(out, new_token_ids=out.new_token_ids[:num],
+                               logprobs=out.logprobs[:num] if out.logprobs is not None else None,
+                               num_output_tokens=out.num_output_tokens - (len(out.new_token_ids) - num))
