@@ -137,7 +137,7 @@ def generate_main(argv: list[str]) -> int:
         llm = LLM(args.model_dir, **engine_options)
     except ValueError as error:
         parser.error(str(error))
-    defaults = GenerationDefaults.from_dir(llm.model_dir)
+    defaults = GenerationDefaults.from_dir(llm.model_dir, llm.tokenizer)  # the tokenizer: harmony's stop ids
     prompt = args.prompt
     if args.chat:
         from rawserve.text.chat_template import load_chat_template, render_chat

@@ -377,10 +377,12 @@ class ServerConfig:
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template file overriding the checkpoint's."})
     tool_call_parser: str = field(default="auto", metadata={
-        "help": "Tool-call output parser by name (hermes, llama3_json, qwen3_coder); auto: qwen3_coder when the chat "
-                "template teaches the XML form (<function=...><parameter=...>), else hermes."})
+        "help": "Tool-call output parser by name (hermes, llama3_json, qwen3_coder, openai: gpt-oss's harmony); auto: "
+                "qwen3_coder when the chat template teaches the XML form (<function=...><parameter=...>), openai when "
+                "it writes harmony (<|channel|>, <|message|>), else hermes."})
     reasoning_parser: str | None = field(default=None, metadata={
-        "help": "Reasoning output parser by name (e.g. qwen3); None: no reasoning split."})
+        "help": "Reasoning output parser by name (qwen3, deepseek_r1, gpt_oss); None: no reasoning split (gpt-oss's "
+                "harmony channels are split by the openai tool parser all the same)."})
     enable_auto_tool_choice: bool = field(default=False, metadata={
         "help": "Accepted for vLLM command lines; changes nothing: tool calls are always parsed when a "
                 "request lists tools."})

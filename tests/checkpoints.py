@@ -298,3 +298,106 @@ def hf_image_processor(directory: str | pathlib.Path):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil.from_pretrained(directory)
+
+
+# ---- mixture-of-experts checkpoints (models/moe.py) ----------------------------------------------------------------
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
+
+
+def make_moe_checkpoint(directory: str | pathlib.Path, family: str = "qwen3_moe", *, seed: int = 0,
+                        dtype: str = "float32", stacked: bool = False, **overrides) -> pathlib.Path:
+    """Write a tiny random MoE checkpoint (transformers' own classes and save_pretrained) and return its path.
+
+    qwen3_moe: 3 layers, the middle one dense (mlp_only_layers), 8 experts top-2. qwen3_5_moe: the conditional-
+    generation form (text under model.language_model), 4 layers (3 Gated DeltaNet + 1 attention), 8 experts top-2
+    and a shared expert. gpt_oss: 4 layers alternating sliding (window 6) and full attention, 8 experts top-2,
+    attention sinks, YaRN, a SwiGLU clamp its activations reach. The routers, sinks and norms get random values wide enough that routing is decided by
+    the input (transformers' init would leave near-ties). stacked: rewrite the experts as one [E, ...] tensor per
+    matrix (transformers' in-memory form) rather than save_pretrained's per-expert tensors."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    directory = pathlib.Path(directory)
+    torch.manual_seed(seed)  # transformers' init draws from the global generator
+    common = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  initializer_range=0.1,  # larger than 0.02: greedy ids then vary from token to token
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**{**common, "intermediate_size": 96, "moe_intermediate_size": 32,
+                                                "num_experts": 8, "num_hidden_layers": 3, "mlp_only_layers": [1],
+                                                "norm_topk_prob": True, "tie_word_embeddings": False, **overrides})
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif family == "qwen3_5_moe":
+        text = {**common, "head_dim": 32, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                "num_experts": 8, "num_hidden_layers": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 24, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **overrides}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
+    elif family == "gpt_oss":
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 16}
+        config = transformers.GptOssConfig(**{**common, "intermediate_size": 32, "num_local_experts": 8,
+                                              "num_hidden_layers": 4, "sliding_window": 6, "rope_parameters": rope,
+                                              # 7.0 in gpt-oss; this small a limit clamps tiny random activations too
+                                              "swiglu_limit": 0.5,
+                                              "tie_word_embeddings": False, **overrides})
+        model = transformers.GptOssForCausalLM(config)
+    else:
+        raise ValueError(f"unknown MoE family {family!r}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" in name:
+                continue
+            if name.endswith("norm.weight"):
+                base = 0.0 if family == "qwen3_5_moe" and not name.endswith("linear_attn.norm.weight") else 1.0
+                param.copy_(base + 0.2 * torch.randn_like(param))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif name.endswith(("sinks", ".bias", "dt_bias", "conv1d.weight")):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif "experts" in name or "shared_expert" in name:
+                param.copy_(0.1 * torch.randn_like(param))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    if stacked:
+        _stack_experts(directory, load_file, save_file)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "bos_token_id": 1}))
+    return directory
+
+
+def _stack_experts(directory: pathlib.Path, load_file, save_file) -> None:
+    """Rewrite model.safetensors with each layer's per-expert tensors as stacked [E, 2I, H] and [E, H, I]."""
+    import re
+
+    import torch
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match[1], {}).setdefault(match[3], {})[int(match[2])] = tensor
+    for prefix, parts in experts.items():
+        count = len(parts["gate_proj"])
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((parts["gate_proj"][e], parts["up_proj"][e]))
+                                                     for e in range(count)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(count)])
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_hf_moe(directory: str | pathlib.Path, family: str, dtype: str = "float32"):
+    import torch
+    import transformers
+
+    cls = transformers.Qwen3_5MoeForConditionalGeneration if family == "qwen3_5_moe" \
+        else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()

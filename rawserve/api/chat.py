@@ -87,6 +87,12 @@ def image_url(part: dict, param: str) -> str:
     return body["url"]
 
 
+def reasoning_effort_kwargs(effort: str) -> dict:
+    """A reasoning effort as template variables: gpt-oss's `reasoning_effort` (its system message's "Reasoning:"
+    line), and the thinking switch of templates that have one (Qwen3's enable_thinking: off for none/minimal)."""
+    return {"reasoning_effort": effort, "enable_thinking": effort not in ("none", "minimal")}
+
+
 def tool_forcing(ctx: ServingContext, req: ChatRequest) -> ToolForcing | None:
     """tool_choice 'required' or {"type": "function", "function": {"name": ...}} as a grammar input:
     calls in the model's own format, each naming a listed tool with arguments valid for it."""
@@ -128,6 +134,8 @@ def render_prompt(ctx: ServingContext, req: ChatRequest, images: list[ImagePart]
             ("name", t.function.name), ("description", t.function.description),
             ("parameters", t.function.parameters)) if v is not None}} for t in req.tools]
     kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # chat_template_kwargs, being more specific, win
+        kwargs = {**reasoning_effort_kwargs(req.reasoning_effort), **kwargs}
     reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
     if reserved:  # the renderer's own arguments and limits (the size cap, the clock) are the server's
         raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: the server provides it.",

@@ -21,7 +21,7 @@ from rawserve.engine.guided.grammar import (Grammar, GrammarError, Ref, Repeat, 
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.nfa import CompiledGrammar, compile_grammar
 from rawserve.engine.guided.regex import parse_regex
-from rawserve.engine.guided.tool_calls import tool_call_grammar
+from rawserve.engine.guided.tool_calls import HARMONY_CALL_MARKERS, tool_call_grammar
 from rawserve.errors import APIError
 from rawserve.text.tokenizer import Tokenizer
 
@@ -34,6 +34,8 @@ MAX_CACHED_STATES = 2_000_000  # NFA states over all cached grammars (about 40 b
 COMPILE_TIMEOUT_S = 5.0
 COMPILE_WORKERS = 2
 
+HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+HARMONY_PROMPT_END = "<|start|>assistant"  # where gpt-oss's template leaves the model: inside a header
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -135,7 +137,11 @@ def _choice_text(choices: object, param: str) -> str:
 def think_mode(prompt: str, reasoning_parser: str | None) -> str:
     """How a constrained answer starts for a reasoning model: after the block the prompt opened ("open"),
     after an optional block the model opens itself ("may"), or at once ("": no reasoning parser, or the
-    template closed the block, as Qwen3's does for enable_thinking=False)."""
+    template closed the block, as Qwen3's does for enable_thinking=False). A harmony prompt (gpt-oss's, ending
+    in an open assistant header) is "harmony" whatever the parser: an optional analysis message, then the answer
+    as a message of its own."""
+    if prompt.endswith(HARMONY_PROMPT_END):
+        return "harmony"
     if not reasoning_parser:
         return ""
     opened = prompt.rfind("<think>")
@@ -154,6 +160,20 @@ def with_reasoning(grammar: Grammar, think: str, added: Mapping[str, int]) -> Gr
     prefix = block if think == "open" else Repeat(seq(open_tag, block), 0, 1)
     rules = dict(grammar.rules)
     rules["__reasoning_root"] = seq(prefix, Ref(grammar.start))
+    return Grammar(rules, "__reasoning_root")
+
+
+def with_harmony_channels(grammar: Grammar, added: Mapping[str, int], is_call: bool) -> Grammar:
+    """gpt-oss's turn around a constrained answer: `<|channel|>analysis<|message|>…<|end|><|start|>assistant` at
+    most once (free text, as the model reasons), then the answer: a forced call writes its own header (the
+    commentary channel to functions.NAME); any other answer goes in the final channel. Markers by id when the
+    vocabulary has them."""
+    mark = {m: Token(added[m]) if m in added else lit(m) for m in HARMONY_MARKERS}
+    analysis = seq(mark["<|channel|>"], lit("analysis"), mark["<|message|>"], Repeat(ANY_BYTE, 0, None),
+                   mark["<|end|>"], mark["<|start|>"], lit("assistant"))
+    head = () if is_call else (mark["<|channel|>"], lit("final"), mark["<|message|>"])
+    rules = dict(grammar.rules)
+    rules["__reasoning_root"] = seq(Repeat(analysis, 0, 1), *head, Ref(grammar.start))
     return Grammar(rules, "__reasoning_root")
 
 
@@ -179,6 +199,8 @@ def build_grammar(spec: GuidedSpec, vocab: Vocabulary) -> Grammar:
     tags = {added[t] for t in ("<think>", "</think>") if t in added}
     if tags and any(t in tags for node in grammar.rules.values() for t in iter_tokens(node)):
         return grammar
+    if spec.think == "harmony":
+        return grammar if spec.kind == "grammar" else with_harmony_channels(grammar, added, spec.kind == "tools")
     return with_reasoning(grammar, spec.think, added)
 
 
@@ -209,7 +231,8 @@ def _answer_grammar(spec: GuidedSpec, vocab: Vocabulary) -> Grammar:
                            for text in ("<tool_call>", "</tool_call>"))
     return tool_call_grammar([(name, json.loads(params) if params else None) for _, name, params in tools],
                              indices=[index for index, _, _ in tools],
-                             style=style, parallel=parallel, open_tag=open_tag, close_tag=close_tag)
+                             style=style, parallel=parallel, open_tag=open_tag, close_tag=close_tag,
+                             markers={m: Token(added[m]) for m in HARMONY_CALL_MARKERS if m in added})
 
 
 class GrammarCache:

@@ -153,6 +153,8 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    # OpenAI's reasoning effort: the template's `reasoning_effort` (gpt-oss's "Reasoning: high") and thinking switch
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 @dataclass(slots=True)

@@ -262,11 +262,9 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatRequ
             raise APIError(400, "Missing required parameter: 'text.format.schema'.", param="text.format.schema",
                            code="missing_required_parameter")
         chat.response_format = ResponseFormat("json_schema", {"name": fmt.name, "schema": fmt.schema})
-    kwargs = {}
     effort = req.reasoning.effort if req.reasoning is not None else None
-    if effort is not None:  # the template's thinking switch (Qwen3's enable_thinking); others ignore it
-        kwargs["enable_thinking"] = effort not in ("none", "minimal")
-    chat.chat_template_kwargs = {**kwargs, **(req.chat_template_kwargs or {})}
+    chat.reasoning_effort = effort  # the template's variables for it: chat.reasoning_effort_kwargs
+    chat.chat_template_kwargs = req.chat_template_kwargs
     return chat
 
 

@@ -27,6 +27,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # text stack under text_config, model.language_model.*
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3VLForConditionalGeneration": "qwen3",  # Qwen3 text (model.language_model.*) with M-RoPE, a vision tower
+    # mixture-of-experts (ModelConfig.moe; models/moe.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",  # the hybrid with routed experts and a shared expert
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -87,9 +92,26 @@ class VisionConfig:
     deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose output feeds the first text layers
 
 
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: how tokens are routed and what each expert computes (models/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    router: str  # "softmax_topk" (Qwen: softmax, top-k, renormalised if norm_topk_prob) | "topk_softmax" (gpt-oss)
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP of intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: one always-on expert behind a sigmoid gate
+    activation: str = "silu"  # "silu" (SwiGLU) | "gpt_oss" (clamped, alpha-scaled, (up + 1) * glu)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False  # gpt-oss: biases on the router and on both expert matmuls
+
+
 @dataclass(slots=True)
 class ModelConfig:
-    family: str  # qwen3 | qwen2 | llama | qwen3_5
+    family: str  # qwen3 | qwen2 | llama | qwen3_5 (Qwen3.5-MoE too) | qwen3_moe | gpt_oss
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -112,6 +134,9 @@ class ModelConfig:
     hybrid: HybridConfig | None = None  # qwen3_5 only
     vision: VisionConfig | None = None  # a conditional-generation checkpoint's vision tower
     mrope_section: tuple[int, ...] = ()  # Qwen3-VL's text model: interleaved M-RoPE (Qwen3.5's is in hybrid)
+    moe: MoEConfig | None = None  # mixture-of-experts families
+    sliding_window: int = 0  # gpt-oss: tokens a sliding_attention layer sees (0: none)
+    attention_layer_types: tuple[str, ...] = ()  # gpt-oss: "sliding_attention" | "full_attention" per layer
 
     @property
     def rotary_dim(self) -> int:
@@ -186,8 +211,9 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
                                           else None)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("llama3", "default"):
-            raise CheckpointError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3)")
+        if kind not in ("llama3", "default") and not (kind == "yarn" and family == "gpt_oss"):
+            raise CheckpointError(f"{path}: rope_scaling type {kind!r} is not supported (supported: llama3; yarn "
+                                  "for gpt-oss)")
         if kind == "default":
             scaling = None
     dtype_name = top.get("torch_dtype") or top.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") \
@@ -199,21 +225,33 @@ def read_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
     if gen_path.exists():
         gen_eos = _ids(_read_json(gen_path).get("eos_token_id"))
         eos = gen_eos or eos
+    moe = _moe_config(path, raw, family, need) if "Moe" in arch or family == "gpt_oss" else None
+    layer_kinds: tuple[str, ...] = ()
+    if family == "gpt_oss":
+        layer_kinds = tuple(raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                        for i in range(need("num_hidden_layers"))])
+        if len(layer_kinds) != need("num_hidden_layers") or \
+                any(t not in ("sliding_attention", "full_attention") for t in layer_kinds):
+            raise CheckpointError(f"{path}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
+                                  f"for each layer, got {list(layer_kinds)!r}")
     return ModelConfig(
         family=family, architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
-        intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+        intermediate_size=(raw.get("intermediate_size") or moe.expert_intermediate_size) if moe is not None
+        else need("intermediate_size"), num_layers=need("num_hidden_layers"),
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
         max_position_embeddings=need("max_position_embeddings"),
         tie_word_embeddings=bool(top.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_5"), rope_scaling=scaling, dtype=_DTYPES[dtype_name],
+        qk_norm=family in ("qwen3", "qwen3_5", "qwen3_moe"), rope_scaling=scaling, dtype=_DTYPES[dtype_name],
         eos_token_ids=eos, bos_token_id=raw.get("bos_token_id"),
-        hybrid=(_hybrid_config(path, raw, arch == "Qwen3_5ForConditionalGeneration", need) if family == "qwen3_5"
+        hybrid=(_hybrid_config(path, raw, arch.endswith("ForConditionalGeneration"), need) if family == "qwen3_5"
                 else None),
         vision=_vision_config(path, top) if arch.endswith("ForConditionalGeneration") else None,
         mrope_section=tuple(rope_params.get("mrope_section") or ()) if arch == "Qwen3VLForConditionalGeneration"
-        else ())
+        else (),
+        moe=moe, sliding_window=int(raw.get("sliding_window") or 0) if family == "gpt_oss" else 0,
+        attention_layer_types=layer_kinds)
 
 
 def _vision_config(path: pathlib.Path, top: dict) -> VisionConfig:
@@ -240,6 +278,36 @@ def _vision_config(path: pathlib.Path, top: dict) -> VisionConfig:
     return VisionConfig(**values, hidden_act=str(raw.get("hidden_act", "gelu_pytorch_tanh")),
                         rope_theta=float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                         image_token_id=image_token_id, deepstack_indexes=tuple(deepstack))
+
+
+def _moe_config(path: pathlib.Path, raw: dict, family: str, need: Callable[..., object]) -> MoEConfig:
+    """The experts' fields: Qwen3-MoE's (num_experts, decoder_sparse_step, mlp_only_layers), Qwen3.5-MoE's (every
+    layer routed, a shared expert) and gpt-oss's (num_local_experts, top-k then softmax, clamped SwiGLU)."""
+    num_layers = need("num_hidden_layers")
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise CheckpointError(f"{path}: field 'num_experts' (or 'num_local_experts') must be a positive integer, "
+                              f"got {num_experts!r}")
+    top_k = need("num_experts_per_tok")
+    if top_k > num_experts:
+        raise CheckpointError(f"{path}: num_experts_per_tok ({top_k}) exceeds the {num_experts} experts")
+    if family == "gpt_oss":
+        return MoEConfig(num_experts, top_k, need("intermediate_size"), "topk_softmax", False, (True,) * num_layers,
+                         activation="gpt_oss", swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(raw.get("swiglu_limit", 7.0)), expert_bias=True)
+    step = raw.get("decoder_sparse_step", 1) or 1
+    dense = raw.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1 or not isinstance(dense, list) \
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise CheckpointError(f"{path}: fields 'decoder_sparse_step' (a positive integer, got {step!r}) and "
+                              f"'mlp_only_layers' (a list of layer indices, got {dense!r}) are malformed")
+    dense = set(dense)
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    shared = (raw.get("shared_expert_intermediate_size") or 0) if family == "qwen3_5" else 0
+    return MoEConfig(num_experts, top_k, need("moe_intermediate_size"), "softmax_topk",
+                     # Qwen3.5-MoE renormalises always (its router has no switch)
+                     bool(raw.get("norm_topk_prob", True)) or family == "qwen3_5", sparse,
+                     shared_expert_intermediate_size=shared)
 
 
 def _hybrid_config(path: pathlib.Path, raw: dict, nested: bool, need: Callable[..., object]) -> HybridConfig:
@@ -415,8 +483,10 @@ def map_tensor(entry: TensorEntry) -> tuple[torch.Tensor, mmap.mmap]:
 
 
 # A target for one checkpoint tensor: the parameter and the row range of it the tensor fills
-# (several checkpoint tensors fill one fused parameter, e.g. q/k/v -> qkv_proj).
-Target = tuple[torch.Tensor, int, int]
+# (several checkpoint tensors fill one fused parameter, e.g. q/k/v -> qkv_proj), or a callable that reads the
+# entry from the open file itself (fill(entry, f)): a stacked expert tensor that is transposed, split or
+# dequantized on its way in (models/moe.py).
+Target = tuple[torch.Tensor, int, int] | Callable[["TensorEntry", object], None]
 
 # Checkpoint tensors that carry no weights we need (precomputed rotary tables of old exports).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -456,6 +526,11 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
                     if not entry.name.endswith(_IGNORED_SUFFIXES) and entry.name != "lm_head.weight" \
                             and entry.name not in mapped:
                         raise CheckpointError(f"{file}: unexpected tensor {entry.name!r}")
+                    continue
+                if callable(target):  # checks the entry's shape itself
+                    target(entry, f)
+                    missing.discard(name)
+                    progress.update(entry.num_bytes)
                     continue
                 param, start, end = target
                 expected = (end - start, *param.shape[1:])

@@ -69,10 +69,12 @@ class LoraError(CheckpointError):
 def layer_modules(cfg: ModelConfig) -> list[dict[str, tuple[str, int]]]:
     """Per decoder layer, the PEFT modules an adapter may target there -> (fused linear, part): every layer of a
     dense model has MODULES; a Qwen3.5 layer has its mixer's (gated attention or Gated DeltaNet) and the MLP's."""
+    # a MoE layer's experts take no adapter: its attention (or DeltaNet) projections do (models/moe.py)
+    sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
     if cfg.hybrid is None:
-        return [MODULES] * cfg.num_layers
-    linear = {**DELTANET, **MLP}
-    return [linear if kind == "linear_attention" else MODULES for kind in cfg.hybrid.layer_types]
+        return [ATTENTION if is_sparse else MODULES for is_sparse in sparse]
+    return [{**(DELTANET if kind == "linear_attention" else ATTENTION), **({} if is_sparse else MLP)}
+            for kind, is_sparse in zip(cfg.hybrid.layer_types, sparse)]
 
 
 def part_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -280,7 +282,8 @@ def read_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, max_rank
                                     f"has {cfg.num_layers} layers")
                 if module not in modules_of[layer]:
                     raise LoraError(f"{weight_file}: tensor {_show(entry.name)} targets {module!r} on layer {layer}, "
-                                    f"a {cfg.hybrid.layer_types[layer]} layer, which has "
+                                    f"a {cfg.hybrid.layer_types[layer] if cfg.hybrid else 'mixture-of-experts'} "
+                                    "layer, which has "
                                     f"{', '.join(modules_of[layer])}")
                 in_f, out_f = shapes[module]
                 expected = (rank, in_f) if which == "A" else (out_f, rank)

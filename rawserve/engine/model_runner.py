@@ -25,6 +25,8 @@ from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import load_qwen35_model
 from rawserve.engine.models.qwen3_vl import Qwen3VLTextModel
 from rawserve.engine.multimodal.manager import MultiModalManager
+from rawserve.engine.models.moe import expert_weight_bytes
+from rawserve.engine.models.qwen3_moe import load_moe_model
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK
@@ -70,6 +72,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     quant: quantize the linear weights as they load (DecoderModel.defer_quantized); the rest stays at dtype.
     """
     cfg = cfg or read_model_config(model_dir)
+    if cfg.moe is not None:  # Qwen3-MoE, Qwen3.5-MoE, gpt-oss: routed experts (models/moe.py)
+        return load_moe_model(model_dir, dtype, device, cfg, prepack=prepack, attention_backend=attention_backend,
+                              quant=quant)
     if cfg.hybrid is not None:  # Qwen3.5: its own layer kinds, set-aside tensors and final norm
         return load_qwen35_model(model_dir, dtype, device, cfg, prepack=prepack, attention_backend=attention_backend,
                                  quant=quant)
@@ -130,6 +135,8 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
                 continue
             if set_aside and entry.name.startswith(set_aside):
                 continue  # a vision tower or MTP head the loader leaves unread
+            if ".mlp.experts." in entry.name:
+                continue  # counted below in the form they load to (moe.expert_weight_bytes)
             if quant is not None and (entry.name == "lm_head.weight" or _is_linear(entry.name, prefix)):
                 continue  # counted below, fused and quantized
             if entry.dtype.is_floating_point:
@@ -142,6 +149,8 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
         total += quantized_bytes(quant, cfg.vocab_size, cfg.hidden_size, head=True)
     elif cfg.tie_word_embeddings and packed:
         total += cfg.vocab_size * cfg.hidden_size * size
+    if cfg.moe is not None:
+        total += expert_weight_bytes(cfg, size, quant)
     return total
 
 
@@ -154,7 +163,7 @@ def _is_linear(name: str, prefix: str = "model.") -> bool:
     return name.startswith(f"{prefix}layers.") and name.endswith((
         ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight", ".gate_proj.weight",
         ".up_proj.weight", ".down_proj.weight", ".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight",
-        ".in_proj_a.weight", ".out_proj.weight"))
+        ".in_proj_a.weight", ".out_proj.weight")) and ".mlp.experts." not in name and ".shared_expert." not in name
 
 
 def _linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -162,16 +171,19 @@ def _linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     q, kv, inter, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, \
         cfg.hidden_size
     mlp = [(2 * inter, hidden), (hidden, inter)]
+    sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers  # no dense MLP there
     if cfg.hybrid is None:
-        return [(q + 2 * kv, hidden), (hidden, q), *mlp] * cfg.num_layers
+        return [shape for is_sparse in sparse for shape in [(q + 2 * kv, hidden), (hidden, q), *([] if is_sparse
+                                                                                                  else mlp)]]
     hy = cfg.hybrid
     shapes = []
-    for kind in hy.layer_types:
+    for kind, is_sparse in zip(hy.layer_types, sparse):
         if kind == "linear_attention":  # in_proj (qkv, z, b, a), out_proj
             shapes += [(hy.conv_dim + hy.value_dim + 2 * hy.linear_num_value_heads, hidden), (hidden, hy.value_dim)]
         else:  # q_proj carries the output gate too
             shapes += [(2 * q + 2 * kv, hidden), (hidden, q)]
-        shapes += mlp
+        if not is_sparse:
+            shapes += mlp
     return shapes
 
 
@@ -234,10 +246,12 @@ class ModelRunner:
         use_graphs = resolve_cuda_graphs(config, self.device)
         # Qwen3.5 (hybrid): a KV pair per full-attention layer only, and per-sequence states (self.states)
         self.is_hybrid = cfg.hybrid is not None
-        if self.is_hybrid and use_graphs:
+        if (self.is_hybrid or cfg.moe is not None) and use_graphs:
             if config.cuda_graphs == "on":
-                raise ValueError("--cuda-graphs: on is not supported for Qwen3.5 (hybrid) models; use auto or off")
-            use_graphs = False  # a decode graph holds no state slots: the hybrid runs eagerly
+                raise ValueError("--cuda-graphs: on is not supported for Qwen3.5 (hybrid) and mixture-of-experts "
+                                 "models; use auto or off")
+            # a decode graph holds no state slots, and a MoE layer picks its experts on the host: both run eagerly
+            use_graphs = False
         self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # per linear layer: (conv, recurrent) by slot
         self.graphs: DecodeGraphs | None = None  # captured last, once the KV pool exists; the profile step runs eager
         check_attention_backend(config, cfg, self.device)

@@ -62,6 +62,8 @@ class GenerationDefaults:
                 tokenizer = Tokenizer.from_dir(model_dir)
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 eos = (tokenizer.eos_token_id,)
+        if tokenizer is not None:
+            eos = harmony_stop_ids(eos, tokenizer)
         return cls(eos_token_ids=eos, **values)
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,12 +97,25 @@ def _eos_ids(data: dict, source: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(items))  # ordered, without repeats
 
 
+def harmony_stop_ids(eos: tuple[int, ...], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """A harmony model (gpt-oss) ends its answer with <|return|> and a tool call with <|call|>: where <|return|>
+    is an eos id, <|call|> is one too (vLLM's harmony stop tokens), since a checkpoint whose generation_config
+    lists only <|return|> (config.json's eos) would otherwise run on past every call it makes."""
+    returns, call = tokenizer.token_to_id("<|return|>"), tokenizer.token_to_id("<|call|>")
+    if returns is None or call is None or returns not in eos or call in eos:
+        return eos
+    return (*eos, call)
+
+
 def tool_call_parser_for(name: str, chat_template: str | None) -> str:
     """--tool-call-parser as served: a parser's name is kept; "auto" is the form the chat template teaches the
     model to write. Qwen3.5's and Qwen3-Coder's templates spell out `<function=NAME>` and `<parameter=KEY>`
-    (the XML form, qwen3_coder); any other template, or none, gets hermes (JSON inside <tool_call>)."""
+    (the XML form, qwen3_coder); gpt-oss's writes harmony messages (`<|channel|>…<|message|>`, a call is a
+    message `to=functions.NAME`: openai); any other template, or none, gets hermes (JSON inside <tool_call>)."""
     if name != "auto":
         return name
+    if chat_template is not None and "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        return "openai"
     if chat_template is not None and "<function=" in chat_template and "<parameter=" in chat_template:
         return "qwen3_coder"
     return "hermes"

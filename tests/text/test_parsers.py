@@ -226,9 +226,9 @@ def test_llama3_json_text_after_the_calls_is_content():
 
 
 def test_unknown_parser_names_list_the_known_ones():
-    with pytest.raises(ValueError, match="known: hermes, llama3_json"):
+    with pytest.raises(ValueError, match="known: hermes, llama3_json, openai, qwen3_coder"):
         OutputParser(None, True, tool_parser="mistral")
-    with pytest.raises(ValueError, match="known: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="known: deepseek_r1, gpt_oss, openai_gptoss, qwen3"):
         OutputParser("granite", False)
     check_parser_names("qwen3", "llama3_json")
 

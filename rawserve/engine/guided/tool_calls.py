@@ -3,7 +3,8 @@
 `hermes` (Qwen, Hermes): <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>, calls joined by
 a newline. `llama3_json`: {"name": "f", "parameters": {...}}, calls joined by "; ". `qwen3_coder` (Qwen3.5,
 Qwen3-Coder): <tool_call>\\n<function=f>\\n<parameter=k>\\nvalue\\n</parameter>\\n…</function>\\n</tool_call>,
-calls joined by a newline. Pure Python.
+calls joined by a newline. `openai` (gpt-oss's harmony): <|channel|>commentary to=functions.f <|constrain|>json
+<|message|>{...}<|call|>, one call (<|call|> ends the model's turn). Pure Python.
 """
 from __future__ import annotations
 
@@ -18,17 +19,20 @@ from rawserve.engine.guided.json_strings import fit_length
 from rawserve.text.parsers.qwen3_coder import (FUNCTION_CLOSE, PARAM_CLOSE, declared_types, is_raw_string,
                                                resolve_ref)
 
-STYLES = ("hermes", "llama3_json", "qwen3_coder")
+STYLES = ("hermes", "llama3_json", "qwen3_coder", "openai")
 # A function without `parameters` takes none, as OpenAI reads it: its arguments are exactly {}.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+HARMONY_CALL_MARKERS = ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")
 
 
 def tool_call_grammar(tools: list[tuple[str, dict | None]], *, style: str, parallel: bool,
                       open_tag: Node | None = None, close_tag: Node | None = None,
-                      whitespace: str = "compact", indices: list[int] | None = None) -> Grammar:
+                      whitespace: str = "compact", indices: list[int] | None = None,
+                      markers: dict[str, Node] | None = None) -> Grammar:
     """One or more calls (exactly one unless `parallel`), each naming one of `tools` (name,
     parameters schema) with arguments valid against that schema. For hermes and qwen3_coder, open_tag/close_tag are
-    the <tool_call> tags as the vocabulary has them (a Token when it is one added token). `indices`: each
+    the <tool_call> tags as the vocabulary has them (a Token when it is one added token); for openai, `markers`
+    are harmony's (<|channel|>, <|constrain|>, <|message|>, <|call|>) the same way. `indices`: each
     tool's place in the request's tools list, for the param of an error in its schema."""
     if not tools:
         raise GrammarError("a forced tool call needs at least one tool")
@@ -48,6 +52,14 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], *, style: str, paral
                                     whitespace)
         except GrammarError as error:
             raise GrammarError(f"function {name!r}: {error}", param=f"tools.{index}.function.parameters") from None
+        if style == "openai":
+            mark = {**{m: lit(m) for m in HARMONY_CALL_MARKERS}, **(markers or {})}
+            if not name or any(c.isspace() or c == "<" for c in name):
+                raise GrammarError(f"function name {name!r} cannot be written in a harmony header",
+                                   param=f"tools.{index}.function.name")
+            calls.append(seq(mark["<|channel|>"], lit(f"commentary to=functions.{name} "), mark["<|constrain|>"],
+                             lit("json"), mark["<|message|>"], args, mark["<|call|>"]))
+            continue
         head = lit('{"name": ' + json.dumps(name, ensure_ascii=False) + ", ")
         if style == "hermes":
             calls.append(seq(open_tag or lit("<tool_call>"), lit("\n"), head, lit('"arguments": '), args,
@@ -57,7 +69,8 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], *, style: str, paral
     rules["call"] = alt(*calls)
     call = Ref("call")
     separator = lit("; ") if style == "llama3_json" else lit("\n")
-    rules["root"] = seq(call, Repeat(seq(separator, call), 0, None)) if parallel else call
+    # A harmony call ends the turn (<|call|> is a stop token): one call, whatever `parallel` says.
+    rules["root"] = seq(call, Repeat(seq(separator, call), 0, None)) if parallel and style != "openai" else call
     return Grammar(rules, "root")
 
 

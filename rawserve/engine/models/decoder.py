@@ -210,11 +210,14 @@ class DecoderLayer(LinearOwner):
         attn = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
         h = self.linear(attn.reshape(num_tokens, self.q_size), "o_proj", lora=lora)
         residual = residual + h
-        h = rms_norm(residual, self.post_attention_layernorm, eps)
+        h = self.mlp(rms_norm(residual, self.post_attention_layernorm, eps), lora)
+        return h, residual
+
+    def mlp(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The normed hidden states [T, hidden] -> the MLP's output (a MoE layer routes them instead: moe.py)."""
         gate_up = self.linear(h, "gate_up_proj", lora=lora)  # [T, 2 I]
         gate, up = gate_up.chunk(2, dim=1)
-        h = self.linear(F.silu(gate) * up, "down_proj", lora=lora)
-        return h, residual
+        return self.linear(F.silu(gate) * up, "down_proj", lora=lora)
 
 
 class DecoderModel(nn.Module):
@@ -399,5 +402,6 @@ class DecoderModel(nn.Module):
 
     @property
     def num_quantized(self) -> int:
-        """Quantized matrices, the LM head included."""
-        return sum(len(layer.quant) for layer in self.layers) + (self.quant_head is not None)
+        """Quantized matrices, the LM head and a MoE layer's experts (two each: models/moe.py) included."""
+        experts = sum(layer.moe.experts.num_quantized for layer in self.layers if hasattr(layer, "moe"))
+        return sum(len(layer.quant) for layer in self.layers) + (self.quant_head is not None) + experts

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rawserve.text.parsers.base import Event, ReasoningParser, ToolParser
+from rawserve.text.parsers.harmony import HarmonyParser
 from rawserve.text.parsers.hermes import HermesToolParser
 from rawserve.text.parsers.llama3_json import Llama3JsonToolParser
 from rawserve.text.parsers.qwen3_coder import Qwen3CoderToolParser
@@ -19,6 +20,10 @@ from rawserve.text.parsers.reasoning import ThinkReasoningParser
 REASONING_PARSERS: dict[str, Callable[[bool | None], ReasoningParser]] = {
     "qwen3": lambda opened: ThinkReasoningParser(bool(opened)),
     "deepseek_r1": lambda opened: ThinkReasoningParser(True if opened is None else opened),
+    # gpt-oss's harmony channels (vLLM's names for it). Paired with the `openai` tool parser, one HarmonyParser
+    # reads the whole output: OutputParser builds it with calls on.
+    "gpt_oss": lambda opened: HarmonyParser(parse_calls=False),
+    "openai_gptoss": lambda opened: HarmonyParser(parse_calls=False),
 }
 # name -> factory(tools: function name -> its parameters schema). Only the XML form needs the schemas: its
 # values are raw text, typed by what each parameter declares.
@@ -26,7 +31,9 @@ TOOL_PARSERS: dict[str, Callable[[Mapping[str, Any]], ToolParser]] = {
     "hermes": lambda tools: HermesToolParser(),
     "llama3_json": lambda tools: Llama3JsonToolParser(),
     "qwen3_coder": Qwen3CoderToolParser,
+    "openai": lambda tools: HarmonyParser(parse_calls=True),  # gpt-oss's harmony: calls are messages to functions.*
 }
+HARMONY_TOOL_PARSER = "openai"
 
 
 AUTO = "auto"  # --tool-call-parser auto: the form the chat template teaches (text/defaults.py decides)
@@ -69,6 +76,11 @@ class OutputParser:
         check_parser_names(reasoning, tool_parser, allow_auto=False)
         self._reasoning = REASONING_PARSERS[reasoning](starts_in_reasoning) if reasoning else None
         self._tools = TOOL_PARSERS[tool_parser](tools or {}) if use_tools else None
+        if tool_parser == HARMONY_TOOL_PARSER:
+            # The openai tool parser means the model writes harmony (auto picks it from the template): its channels
+            # are split whatever --reasoning-parser says, since unsplit they are no readable content; one parser
+            # reads the channels and the calls, which are messages like any other.
+            self._reasoning, self._tools = HarmonyParser(parse_calls=use_tools), None
         self.markers: tuple[str, ...] = ((self._reasoning.markers if self._reasoning is not None else ())
                                          + (self._tools.markers if self._tools is not None else ()))
         self._hidden = tuple(m for m in hidden_markers if m)

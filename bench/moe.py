@@ -1,0 +1,245 @@
+"""Mixture-of-experts on a CPU, Qwen3-30B-A3B-shaped (hidden 2048, 128 experts of 768, top-8, GQA 32/4 x 128) with
+its 48 layers cut to --layers (4: about 3B parameters with the embedding and head, 0.5B active per token).
+
+python -m bench.moe micro [--tokens 1,32] [--rounds 10]
+    one MoE layer's experts, ms per call for each way of running them: Experts.forward (the tokens sorted by expert,
+    a loop over the experts in use), the same over oneDNN pre-packed experts, and index_select of the chosen experts'
+    weights then one bmm (the tiny-batch alternative). {"bench": "moe_micro", "tokens", "way", "ms"}
+python -m bench.moe decode [--model-dir DIR] [--configs bfloat16,bfloat16+int8] [--streams 1,8,32] [--tokens 16]
+    writes the random checkpoint first when DIR holds none (bf16 safetensors, one shard per layer); then per config
+    decode tok/s through EngineCore, and at one stream the bytes of weights the step's matmuls read (attention,
+    routers, the experts each layer ran, the LM head) against the active parameters' bytes (the same, with top_k
+    experts of average size per layer). {"bench": "moe_decode", "config", "streams", "tok_s", "step_ms"} and
+    {"bench": "moe_bytes", "config", "read_bytes", "active_bytes", "ratio"}.
+Each config runs in a subprocess of its own, so one's memory is gone before the next loads. The machine is shared:
+figures are as loaded as it was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+             num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+             max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0, norm_topk_prob=True,
+             tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=151643,
+             eos_token_id=151645)
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+# ---- micro ---------------------------------------------------------------------------------------------------------
+
+def micro(args: argparse.Namespace) -> None:
+    from rawserve.engine.loader import ModelConfig, MoEConfig
+    from rawserve.engine.models.moe import Experts
+
+    e, i, h, k = SHAPE["num_experts"], SHAPE["moe_intermediate_size"], SHAPE["hidden_size"], 8
+    cfg = ModelConfig("qwen3_moe", "Qwen3MoeForCausalLM", 256, h, i, 1, 32, 4, 128, 1e-6, 1e6, 4096, False, False,
+                      True, moe=MoEConfig(e, k, i, "softmax_topk", True, (True,)))
+    experts = Experts(cfg, torch.bfloat16)
+    torch.manual_seed(0)
+    experts.gate_up.data.normal_(0, 0.02)
+    experts.down.data.normal_(0, 0.02)
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(experts.gate_up[x]),
+               torch.ops.mkldnn._reorder_linear_weight(experts.down[x])) for x in range(e)]
+
+    def packed_expert(x: torch.Tensor, index: int) -> torch.Tensor:
+        gate_up, down = packed[index]
+        gate, up = torch.ops.mkldnn._linear_pointwise(x, gate_up, None, "none", [], "").split(i, dim=-1)
+        return torch.ops.mkldnn._linear_pointwise(F.silu(gate) * up, down, None, "none", [], "")
+
+    def gather_bmm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.flatten()
+        gate_up = experts.gate_up.index_select(0, flat)  # [T k, 2I, H]: a copy of the chosen experts
+        down = experts.down.index_select(0, flat)
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(2)  # [T k, H, 1]
+        gate, up = torch.bmm(gate_up, xs).squeeze(2).split(i, dim=-1)
+        ys = torch.bmm(down, (F.silu(gate) * up).unsqueeze(2)).squeeze(2) * weights.flatten().unsqueeze(1)
+        return ys.view(-1, k, h).sum(1)
+
+    def sorted_packed(x, weights, ids):
+        expert = experts.expert
+        experts.expert = packed_expert
+        try:
+            return experts(x, weights, ids)
+        finally:
+            experts.expert = expert
+
+    ways = {"sorted_loop": lambda x, w, ids: experts(x, w, ids), "sorted_loop_prepacked": sorted_packed,
+            "gather_bmm": gather_bmm}
+    with torch.inference_mode():
+        for tokens in args.tokens:
+            x = torch.randn(tokens, h, dtype=torch.bfloat16)
+            ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)])
+            w = torch.rand(tokens, k).softmax(-1).bfloat16()
+            want = experts(x, w, ids).float()
+            times: dict[str, list[float]] = {name: [] for name in ways}
+            for _ in range(args.rounds):  # interleaved, so a busy machine slows every way alike
+                for name, way in ways.items():
+                    start = time.perf_counter()
+                    got = way(x, w, ids)
+                    times[name].append((time.perf_counter() - start) * 1000)
+                    assert (got.float() - want).abs().max() < 1e-2 * want.abs().max() + 1e-3, name
+            for name, ms in times.items():
+                emit({"bench": "moe_micro", "tokens": tokens, "used_experts": int(ids.unique().numel()), "way": name,
+                      "ms": round(statistics.median(ms), 2)})
+
+
+# ---- checkpoint ----------------------------------------------------------------------------------------------------
+
+def make_checkpoint(model_dir: pathlib.Path, num_layers: int) -> None:
+    """Random bf16 weights under Qwen3-MoE's per-expert names, one safetensors shard per layer (never the whole model
+    in memory), plus config.json and the index."""
+    from safetensors.torch import save_file
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    h, i, e = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["num_experts"]
+    q, kv, hd = SHAPE["num_attention_heads"] * SHAPE["head_dim"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"], \
+        SHAPE["head_dim"]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).bfloat16()
+
+    weight_map = {}
+    shards = [("embed", {"model.embed_tokens.weight": rand(SHAPE["vocab_size"], h),
+                         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+                         "lm_head.weight": rand(SHAPE["vocab_size"], h)})]
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}"
+        t = {f"{p}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+             f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+             f"{p}.self_attn.q_proj.weight": rand(q, h), f"{p}.self_attn.k_proj.weight": rand(kv, h),
+             f"{p}.self_attn.v_proj.weight": rand(kv, h), f"{p}.self_attn.o_proj.weight": rand(h, q),
+             f"{p}.self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+             f"{p}.self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+             f"{p}.mlp.gate.weight": rand(e, h, std=0.5)}
+        for x in range(e):
+            t[f"{p}.mlp.experts.{x}.gate_proj.weight"] = rand(i, h)
+            t[f"{p}.mlp.experts.{x}.up_proj.weight"] = rand(i, h)
+            t[f"{p}.mlp.experts.{x}.down_proj.weight"] = rand(h, i)
+        shards.append((f"layer{layer}", t))
+    for name, tensors in shards:
+        file = f"model-{name}.safetensors"
+        save_file(tensors, str(model_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {**SHAPE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+              "num_hidden_layers": num_layers, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=1))
+
+
+# ---- decode --------------------------------------------------------------------------------------------------------
+
+def decode_one(args: argparse.Namespace) -> None:
+    """One config in this process: tok/s per stream count, then the one-stream step's bytes."""
+    from rawserve.config import EngineConfig
+    from rawserve.engine.core import EngineCore
+    from rawserve.engine.models import moe
+    from rawserve.engine.types import SamplingParams
+
+    dtype, _, scheme = args.config.partition("+")
+    core = EngineCore(EngineConfig(model_dir=str(args.model_dir), device="cpu", dtype=dtype,
+                                   quantization=scheme or "none", max_num_seqs=max(args.streams),
+                                   max_num_batched_tokens=2048, max_model_len=1024, num_kv_blocks=1024))
+    model = core.runner.model
+    for streams in args.streams:
+        for s in range(streams):
+            ids = torch.randint(10, 150000, (args.prompt,), generator=torch.Generator().manual_seed(s)).tolist()
+            core.add_request(f"{streams}-{s}", ids, SamplingParams(temperature=0, max_tokens=args.tokens + 1,
+                                                                  ignore_eos=True))
+        core.step()  # every prompt (and the first token)
+        steps, start = 0, time.perf_counter()
+        while core.has_unfinished:
+            core.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+        emit({"bench": "moe_decode", "config": args.config, "streams": streams,
+              "tok_s": round(streams * steps / elapsed, 2), "step_ms": round(1000 * elapsed / steps, 1)})
+    # the one-stream step's weight bytes, from what the matmuls are handed
+    read = {"experts": 0}
+    expert = moe.Experts.expert
+
+    def counting(module, x, index):
+        read["experts"] += module.expert_bytes(index)
+        return expert(module, x, index)
+
+    moe.Experts.expert = counting
+    core.add_request("bytes", [11] * args.prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    core.step()
+    read["experts"] = 0
+    core.step()
+    moe.Experts.expert = expert
+    dense = 0
+    blocks = []
+    for layer in model.layers:
+        for name in layer.linear_names:  # every attention matmul reads its whole weight each step
+            q = layer.quant.get(name)
+            dense += q.num_bytes if q is not None else _packed_bytes(layer, name)
+        blocks.append(layer.moe)
+        dense += layer.moe.router.numel() * layer.moe.router.element_size()
+    head = model.quant_head.num_bytes if model.quant_head is not None else \
+        model.cfg.vocab_size * model.cfg.hidden_size * model.norm.element_size()
+    active = dense + head + moe.active_expert_bytes(blocks)
+    total = dense + head + read["experts"]
+    emit({"bench": "moe_bytes", "config": args.config, "read_bytes": total, "active_bytes": active,
+          "ratio": round(total / active, 3), "expert_bytes_read": read["experts"]})
+
+
+def _packed_bytes(layer, name: str) -> int:
+    packed = layer.packed.get(name)
+    weight = getattr(layer, name)
+    return packed.numel() * packed.element_size() if packed is not None else weight.numel() * weight.element_size()
+
+
+def decode(args: argparse.Namespace) -> None:
+    model_dir = pathlib.Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        start = time.perf_counter()
+        make_checkpoint(model_dir, args.layers)
+        emit({"bench": "moe_checkpoint", "dir": str(model_dir), "layers": args.layers,
+              "write_s": round(time.perf_counter() - start, 1)})
+    for config in args.configs:
+        cmd = [sys.executable, "-m", "bench.moe", "decode-one", "--model-dir", str(model_dir), "--config", config,
+               "--streams", ",".join(map(str, args.streams)), "--tokens", str(args.tokens),
+               "--prompt", str(args.prompt)]
+        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("micro", "decode", "decode-one"))
+    parser.add_argument("--tokens", default=None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--model-dir", default="/tmp/rawserve-bench-moe")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--configs", default="bfloat16,bfloat16+int8")
+    parser.add_argument("--config", default="bfloat16")
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--prompt", type=int, default=16)
+    args = parser.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    args.configs = args.configs.split(",")
+    if args.mode == "micro":
+        args.tokens = [int(t) for t in (args.tokens or "1,32").split(",")]
+        micro(args)
+        return
+    args.tokens = int(args.tokens or 16)
+    (decode if args.mode == "decode" else decode_one)(args)
+
+
+if __name__ == "__main__":
+    main()
