@@ -57,7 +57,9 @@ class MultiModalManager:
     def load(cls, model_dir: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
              cache_bytes: int = ENCODER_CACHE_BYTES) -> MultiModalManager:
         vision = cfg.vision
-        preprocess = PreprocessConfig.read(model_dir)
+        preprocess = PreprocessConfig.read(model_dir, PreprocessConfig(
+            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size))
         if (preprocess.patch_size, preprocess.merge_size, preprocess.temporal_patch_size) != (
                 vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size):
             raise ValueError(f"{model_dir}: preprocessor_config.json's patch/merge/temporal sizes "

@@ -36,13 +36,14 @@ class PreprocessConfig:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
     @classmethod
-    def read(cls, model_dir: str | pathlib.Path) -> PreprocessConfig:
-        """From the checkpoint's preprocessor_config.json (ValueError naming the field when one is unusable)."""
+    def read(cls, model_dir: str | pathlib.Path, defaults: PreprocessConfig | None = None) -> PreprocessConfig:
+        """From the checkpoint's preprocessor_config.json (ValueError naming the field when one is unusable); the
+        fields it lacks, or all of them without the file, from `defaults` (the vision tower's sizes)."""
         path = pathlib.Path(model_dir) / "preprocessor_config.json"
+        defaults = defaults or cls()
         if not path.is_file():
-            return cls()
+            return defaults
         raw = json.loads(path.read_text(encoding="utf-8"))
-        defaults = cls()
         fields = {}
         for name in ("patch_size", "temporal_patch_size", "merge_size"):
             value = raw.get(name, getattr(defaults, name))
