@@ -3,11 +3,13 @@ synthetic method at mean acceptance lengths L and draft lengths k, beside plain 
 
 python -m bench.spec [--model-dir DIR | --shape 0.6b|tiny] [--dtype bfloat16] [--streams 1,8,32] [--k 4]
                      [--lengths 1,2,3,4] [--input-len 64] [--output-len 48] [--disable-by-batch-size 8]
-                     [--num-threads 1] [--rounds 3] [--ngram]
+                     [--num-threads 1] [--rounds 3] [--ngram] [--mtp]
 One JSON line per scenario on stdout, then one with the issue's targets (L = 3 at one stream >= 2.0x plain; at 32
 streams never below 0.95x); logs on stderr. One model load: each scenario swaps the core's SpecDecoder. The
 synthetic method forces its drafts accepted at mean L (tokens per verified step, the target's own included), so
 random weights measure what a proposer of that quality would buy; decode time only (after every first token).
+--mtp (a Qwen3.5 --model-dir with mtp.* tensors, e.g. the peers' qwen35-0.8b-random): also the MTP layer drafting
+k, never paused; on random weights its drafts are rarely accepted, so that row is MTP's cost at its measured L.
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def main() -> None:
     parser.add_argument("--num-threads", default="auto")
     parser.add_argument("--ngram", action="store_true", help="also n-gram (its defaults) on prompts repeating a "
                         "phrase; every scenario then gets those prompts")
+    parser.add_argument("--mtp", action="store_true", help="also Qwen3.5's MTP layer (needs its mtp.* tensors)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every scenario, interleaved; medians compared")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
@@ -84,10 +87,16 @@ def main() -> None:
 
         model_dir = str(ensure_qwen3_06b_shape(args.dtype, shape=args.shape))
     streams_list = [int(s) for s in args.streams.split(",")]
-    config = EngineConfig(model_dir=model_dir, dtype=args.dtype, max_num_seqs=max(streams_list),
+    # Twice the streams: a hybrid (Qwen3.5) drafts only where a spare state slot holds its rollback snapshot
+    config = EngineConfig(model_dir=model_dir, dtype=args.dtype, max_num_seqs=2 * max(streams_list),
                           max_model_len=args.input_len + args.output_len + 32, num_threads=args.num_threads,
                           enable_prefix_caching=False)
     core = make_engine_core(config)
+    mtp = None
+    if args.mtp:
+        from rawserve.engine.spec.mtp import MTPProposer
+
+        mtp = MTPProposer(core.runner, core.blocks)
     load0 = os.getloadavg()[0]
     results = {}
     seed = 0
@@ -96,20 +105,25 @@ def main() -> None:
                                       for length in (float(x) for x in args.lengths.split(",")) if length <= k + 1]
         if args.ngram:  # n-gram with its defaults (pauses included) on prompts that repeat a phrase
             scenarios += [(int(args.k.split(",")[0]), "ngram")]
+        if mtp is not None:
+            scenarios += [(int(k), "mtp") for k in args.k.split(",")]
         runs: dict[tuple, list[dict]] = {}
         for round_index in range(args.rounds):  # scenarios interleaved round by round: the box's load drifts
             for k, length in scenarios:
                 seed += 1
                 if length == "ngram":
                     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+                elif length == "mtp":
+                    spec = {"method": "mtp", "num_speculative_tokens": k, "min_acceptance": 0}
                 else:
                     spec = {"method": "synthetic", "num_speculative_tokens": k, "acceptance_length": length,
                             "min_acceptance": 0, "seed": seed}
                 core.spec = None if k is None else SpecDecoder(SpeculativeConfig.from_dict({
-                    **spec, "disable_by_batch_size": args.disable_by_batch_size}), core.blocks, core.max_model_len)
+                    **spec, "disable_by_batch_size": args.disable_by_batch_size}), core.blocks, core.max_model_len,
+                    core.states, mtp if length == "mtp" else None)
                 run = decode_run(core, streams, args.input_len, args.output_len, seed, repeat=args.ngram)
-                method = "plain" if k is None else "ngram" if length == "ngram" else "synthetic"
-                line = {"streams": streams, "method": method, "k": k, "L": None if length == "ngram" else length,
+                method = "plain" if k is None else length if length in ("ngram", "mtp") else "synthetic"
+                line = {"streams": streams, "method": method, "k": k, "L": None if method != "synthetic" else length,
                         "round": round_index, **{key: round(value, 2) for key, value in run.items()},
                         "load_avg_1m": os.getloadavg()[0]}
                 if core.spec is not None:
@@ -128,6 +142,8 @@ def main() -> None:
                        l3_batch1_ok=ratio >= TARGET_L3_BATCH1)
     if (1, None, None) in results and (1, k0, "ngram") in results:
         summary["ngram_batch1_ratio"] = round(results[(1, k0, "ngram")]["tok_s"] / results[(1, None, None)]["tok_s"], 2)
+    if (1, None, None) in results and (1, k0, "mtp") in results:
+        summary["mtp_batch1_ratio"] = round(results[(1, k0, "mtp")]["tok_s"] / results[(1, None, None)]["tok_s"], 2)
     if (32, None, None) in results:
         worst = min(run["tok_s"] for (s, k, _), run in results.items() if s == 32 and k is not None) \
             / results[(32, None, None)]["tok_s"]

@@ -139,7 +139,9 @@ class EngineConfig:
                 "\"acceptance_length\": L} (benchmarks only: drafts forced accepted at a mean of L tokens per step, "
                 "as llama.cpp's --spec-synth-len; the output is not the model's); {\"model\": DIR, "
                 "\"num_speculative_tokens\": k}: a smaller checkpoint of the same vocabulary drafts greedily (its own "
-                "KV pool, indexed by the target's block ids). Optional \"disable_by_batch_size\" "
+                "KV pool, indexed by the target's block ids); {\"method\": \"mtp\", \"num_speculative_tokens\": k}: "
+                "a Qwen3.5 checkpoint's own multi-token-prediction layer (mtp.*) drafts greedily from the target's "
+                "hidden states. Optional \"disable_by_batch_size\" "
                 "(no drafts once that many rows decode) and \"min_acceptance\" (a row drafting fewer accepted "
                 "tokens per step pauses). Verified in one target step; greedy output is unchanged and sampling "
                 "keeps the target's distribution."})
@@ -249,9 +251,9 @@ class EngineConfig:
         self.speculative()
 
 
-# --speculative-config's methods: what a proposer drafts from (draft_model: {"model": DIR}). Qwen3.5's MTP head and
-# EAGLE are vLLM's others; they are refused at start until rawserve has them.
-SPEC_METHODS = ("ngram", "synthetic", "draft_model")
+# --speculative-config's methods: what a proposer drafts from (draft_model: {"model": DIR}; mtp: a Qwen3.5
+# checkpoint's own mtp.* layer). EAGLE is vLLM's other; it is refused at start until rawserve has it.
+SPEC_METHODS = ("ngram", "synthetic", "draft_model", "mtp")
 SPEC_MAX_TOKENS = 16  # drafts per step: past a handful, acceptance of the last positions is near zero anyway
 
 
@@ -281,7 +283,7 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - known)
         _check(not unknown, name, f"unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         method = spec.get("method", "draft_model" if "model" in spec else None)
-        if method in ("mtp", "eagle", "eagle3", "medusa"):
+        if method in ("eagle", "eagle3", "medusa"):
             _check(False, name, f"method {method!r} is not supported by this build; use one of "
                                 f"{'|'.join(SPEC_METHODS)}")
         _check(method in SPEC_METHODS, name, f"method must be one of {'|'.join(SPEC_METHODS)}, got {method!r}")

@@ -120,6 +120,10 @@ class EngineCore:
             from rawserve.engine.spec.draft_model import DraftModelProposer
 
             draft = DraftModelProposer(self.config, spec.model, self.blocks, self.vocab_size)
+        elif spec.method == "mtp":  # Qwen3.5's MTP layer, from the target's own checkpoint
+            from rawserve.engine.spec.mtp import MTPProposer
+
+            draft = MTPProposer(self.runner, self.blocks)
         return SpecDecoder(spec, self.blocks, self.max_model_len, self.states, draft)
 
     def guided_registry(self) -> GuidedRegistry:
@@ -261,6 +265,8 @@ class EngineCore:
         finally:
             if ahead is not None:
                 self._guided.wait_ahead(ahead)
+        if self.spec is not None:  # an MTP proposer drafts from the step's hidden states
+            self.spec.observe(plan.scheduled, plan.batch.seqs)
         self._commit_forward(plan)
         if plan.prompt_spans:
             self._collect_prompt_logprobs(logits, plan.prompt_spans)

@@ -279,6 +279,9 @@ class ModelRunner:
             self.model.enable_lora(self.lora)
         self._num_zeroed = 0  # leading blocks of the pool written with zeros (see _zero_blocks)
         self._logits: torch.Tensor | None = None  # see _logits_out
+        # Speculative MTP (spec/mtp.py): the last eager forward's final hidden states [T, hidden], kept for it
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # see _gather_out
         self._read: tuple[torch.Tensor, torch.Tensor] | None = None  # see _read_out
         if self.device.type == "cpu":  # from here on a step's large tensors reuse freed heap, not fresh pages
@@ -406,11 +409,23 @@ class ModelRunner:
             device_budget = (int(utilization * free_bytes), f"--gpu-memory-utilization {utilization:g} of "
                                                              f"{memory.mib(free_bytes)} free on {self.device}")
         return memory.plan_kv_cache(
-            block_bytes=self.block_bytes, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
+            block_bytes=self.block_bytes + self._spec_block_bytes(), block_size=self.block_size, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, num_kv_blocks=config.num_kv_blocks,
             memory_gb=config.kv_cache_memory_gb, room=room, margin_bytes=margin, share=CPU_MEMORY_SHARE,
             device_budget=device_budget, state_bytes=self.model.state_bytes_per_slot() if self.is_hybrid else 0,
             save_states=config.enable_prefix_caching)
+
+    def _spec_block_bytes(self) -> int:
+        """A speculative proposer's KV bytes per block: its pool (spec/draft_model.py, spec/mtp.py) has a block for
+        each of this pool's, addressed by the same ids, so the budget buys blocks of both: a draft model's layers,
+        or the MTP layer's one."""
+        spec = self.config.speculative()
+        if spec is None or spec.method not in ("draft_model", "mtp"):
+            return 0
+        cfg = self.model_config if spec.method == "mtp" else read_model_config(spec.model)
+        return memory.kv_block_bytes(num_layers=1 if spec.method == "mtp" else cfg.num_layers,
+                                     block_size=self.block_size, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim, element_bytes=self.kv_dtype.itemsize)
 
     def _zero_blocks(self, top: int) -> None:
         """Zero blocks [_num_zeroed, top) before a step reads them. Never-written slots are read (and masked
@@ -549,7 +564,15 @@ class ModelRunner:
         if graphed is not None:
             return graphed
         hidden, rows = self._hidden(batch)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         return self._rows_logits(hidden, rows)
+
+    def step_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                          torch.Tensor]:
+        """(input ids, positions, attention metadata, logit rows) of `batch` on this runner's block layout: what
+        a speculative head with a pool like the target's (spec/mtp.py) runs its own forward on."""
+        return self._metadata(batch)
 
     @torch.inference_mode()
     def execute_pooling(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

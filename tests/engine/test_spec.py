@@ -202,8 +202,8 @@ def test_synthetic_acceptance_has_the_mean_asked_for(tiny_qwen3_dir, length):
 
 
 def test_speculative_config_is_checked_at_start(tiny_qwen3_dir, tmp_path):
-    with pytest.raises(ValueError, match="--speculative-config: method 'mtp' is not supported"):
-        EngineConfig(speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": 1}))
+    with pytest.raises(ValueError, match="--speculative-config: method 'eagle' is not supported"):
+        EngineConfig(speculative_config=json.dumps({"method": "eagle", "num_speculative_tokens": 1}))
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in 1..16"):
         EngineConfig(speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 0}))
     with pytest.raises(ValueError, match="prompt_lookup_min .* must be <= prompt_lookup_max"):
@@ -307,3 +307,18 @@ def test_a_draft_model_is_checked_at_start(tiny_qwen3_dir, tmp_path, large_vocab
         EngineConfig(speculative_config=json.dumps({"model": str(tmp_path / "none"), "num_speculative_tokens": 2}))
     with pytest.raises(ValueError, match="the draft model's vocabulary \\(151936\\) is not the target's \\(256\\)"):
         make_core(tiny_qwen3_dir, speculative_config=draft_spec(large_vocab_model_dir))
+
+
+def test_the_draft_models_kv_pool_comes_out_of_the_kv_budget(tiny_qwen3_dir, small_draft_dir):
+    """--kv-cache-memory-gb buys blocks of the target's KV and the draft's together (the draft's pool has a block
+    for each of the target's): fewer blocks than without, and both pools inside the budget."""
+    probe = make_core(tiny_qwen3_dir, max_model_len=64)
+    seq_blocks = probe.blocks.blocks_for(64)
+    budget = 3 * seq_blocks * probe.runner.block_bytes  # 3 sequences' worth of the target's KV alone, of 4 asked
+    options = dict(num_kv_blocks=None, kv_cache_memory_gb=budget / (1 << 30), max_num_seqs=4, max_model_len=64)
+    plain = make_core(tiny_qwen3_dir, **options)
+    core = make_core(tiny_qwen3_dir, speculative_config=draft_spec(small_draft_dir), **options)
+    draft_pool = sum(t.numel() * t.element_size() for pair in core.spec.draft.runner.kv_caches for t in pair)
+    assert plain.num_blocks == budget // probe.runner.block_bytes
+    assert seq_blocks <= core.num_blocks < plain.num_blocks
+    assert core.num_blocks * core.runner.block_bytes + draft_pool <= budget

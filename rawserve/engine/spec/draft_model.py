@@ -28,8 +28,8 @@ class DraftProgress:
 class DraftModelProposer:
     """Drafts are the draft model's greedy tokens (a point mass: verification is exact whatever they are). The
     draft's KV pool has as many blocks as the target's and is indexed by the same block ids, so the target's
-    block tables, allocation, trims and frees serve both: a draft needs no table of its own. Its pool is memory
-    beside the target's budget, not inside it (the draft is meant to be a fraction of the target's size)."""
+    block tables, allocation, trims and frees serve both: a draft needs no table of its own. The KV budget buys
+    blocks of both pools together (ModelRunner._spec_block_bytes); the draft's weights are not counted in it."""
 
     def __init__(self, target: EngineConfig, draft_dir: str, blocks: KVCacheManager, vocab_size: int) -> None:
         config = dataclasses.replace(

@@ -17,6 +17,7 @@ from rawserve.engine import vocab_ops
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.request import Request, RequestStatus
 from rawserve.engine.spec.draft_model import DraftModelProposer
+from rawserve.engine.spec.mtp import MTPProposer
 from rawserve.engine.spec.proposers import NgramProposer, SyntheticProposer
 from rawserve.engine.state_cache import StateCacheManager
 from rawserve.engine.step_plan import SpecSpan
@@ -40,6 +41,7 @@ class RowState:
     pause_steps: int = _PAUSE_STEPS
     num_forced: int = 0  # synthetic: this step's leading drafts taken without comparing
     draft: object = None  # a draft model's progress through this request (draft_model.DraftProgress)
+    mtp: object = None  # the MTP layer's progress and the target's hidden states it has yet to read (mtp.MTPProgress)
 
 
 @dataclass(slots=True)
@@ -77,7 +79,8 @@ class SpecDecoder:
     """
 
     def __init__(self, config: SpeculativeConfig, blocks: KVCacheManager, max_model_len: int,
-                 states: StateCacheManager | None = None, draft: DraftModelProposer | None = None) -> None:
+                 states: StateCacheManager | None = None,
+                 draft: DraftModelProposer | MTPProposer | None = None) -> None:
         self.config = config
         # A hybrid model's (Qwen3.5) recurrent states cannot drop a rejected draft's update: each drafted row's
         # state is copied aside before the forward (hold_states) and copied back when a draft is rejected; its
@@ -93,7 +96,7 @@ class SpecDecoder:
         self._running: set[str] = set()  # the rids running at the last propose
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        elif config.method == "draft_model":
+        elif config.method in ("draft_model", "mtp"):
             self.proposer = None
         else:
             self.proposer = SyntheticProposer(self.k, config.acceptance_length, config.seed)
@@ -171,6 +174,16 @@ class SpecDecoder:
         return out
 
     # ---- after the forward ---------------------------------------------------------------------------------
+
+    def observe(self, scheduled: list[tuple[Request, int]], seqs: list) -> None:
+        """After the target's forward: an MTP proposer keeps the step's final hidden states (the rows' next drafts
+        are made from them)."""
+        observe = getattr(self.draft, "observe", None)
+        if observe is not None:
+            for req, _ in scheduled:
+                if req.spec_state is None and req.params.pooling is None:
+                    req.spec_state = RowState()
+            observe(scheduled, seqs)
 
     def verify(self, spans: list[SpecSpan], logits: torch.Tensor, hooks: VerifyHooks,
                failures: list) -> list[RequestOutput]:
