@@ -68,12 +68,13 @@ class EngineCore:
         if plan is not None and plan.num_state_slots:
             self.states = StateCacheManager(plan.num_state_slots, plan.num_saved_states, self.block_size)
             self.blocks.on_evict = self.states.forget
+        # A vision model's tower and encoder cache (engine/multimodal); None for text-only models and encoders
+        self.multimodal = getattr(self.runner, "multimodal", None)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_loras=config.max_loras if config.lora_enabled else 0,
                                    whole_prompts=is_encoder, states=self.states,
-                                   encoder_costs=(self.runner.multimodal.encoder_costs
-                                                  if getattr(self.runner, "multimodal", None) is not None else None))
+                                   encoder_costs=self.multimodal.encoder_costs if self.multimodal is not None else None)
         # the adapters requests may name, their users and run-time loads (the scheduler's LoraSlots place them)
         self.loras = LoraRegistry(config, self.runner.model_config, self.scheduler,
                                   is_enabled=self.runner.lora is not None)
@@ -174,10 +175,9 @@ class EngineCore:
         if params.pooling is not None or self.pooling.is_encoder:
             self._check_pooling(prompt_ids, params)
         if features is not None:
-            multimodal = getattr(self.runner, "multimodal", None)
-            if multimodal is None:
+            if self.multimodal is None:
                 raise ValueError("this model takes no images (it has no vision tower)")
-            multimodal.check(prompt_ids, features)
+            self.multimodal.check(prompt_ids, features)
         lora_load = self.loras.load_id(lora) if lora is not None else 0
         req = Request(rid, list(prompt_ids), params, priority=priority, arrival=next(self._arrivals),
                       eos_token_ids=self.eos_token_ids, lora=lora, features=features, cache_salt=cache_salt,
@@ -217,7 +217,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
             num_threads=self._num_threads(),
             extra={**self.loras.stats(), **(self.states.stats() if self.states is not None else {}),
-                   **(self.runner.multimodal.stats() if getattr(self.runner, "multimodal", None) is not None else {}),
+                   **(self.multimodal.stats() if self.multimodal is not None else {}),
                    **({"spec": self.spec.stats(self.scheduler.running)} if self.spec is not None else {})})
 
     def _num_threads(self) -> int:

@@ -19,6 +19,7 @@ from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, ap
     cpu_prepack_supported
 from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, \
     gated_delta_rule, l2_normalize, plan_delta_step
+from rawserve.engine.models.mrope import interleaved_streams, rope_tables
 from rawserve.engine.quant import QuantPlan
 
 __all__ = ["Qwen35Model", "StateBatch", "load_qwen35_model"]
@@ -216,13 +217,7 @@ class Qwen35Model(DecoderModel):
         self.chunk_size = chunk_size
         self.final_norm_scale: torch.Tensor | None = None  # (1 + w) of the final norm, float32 (finish_load)
         self.set_aside = cfg.hybrid.set_aside_prefixes
-        half = cfg.rotary_dim // 2
-        section = cfg.hybrid.mrope_section
-        # Interleaved M-RoPE: frequency j turns with the height stream when j % 3 == 1 (for the first section[1]
-        # of those), the width stream when j % 3 == 2 (first section[2]), else the temporal stream.
-        stream = [1 if j % 3 == 1 and j < 3 * section[1] else 2 if j % 3 == 2 and j < 3 * section[2] else 0
-                  for j in range(half)]
-        self.rope_stream_of = stream + stream  # per dim of the doubled tables (see apply_rope)
+        self.rope_stream_of = interleaved_streams(cfg.hybrid.mrope_section, cfg.rotary_dim // 2)
         self.rope_streams: torch.Tensor | None = None  # [rot] int64 on the model's device (init_rope)
 
     def make_layers(self, cfg: ModelConfig, dtype: torch.dtype, attention: types.ModuleType) -> list[LinearOwner]:
@@ -280,14 +275,8 @@ class Qwen35Model(DecoderModel):
         self.rope_streams = torch.tensor(self.rope_stream_of, dtype=torch.int64, device=device)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, rot] for positions [T] (text) or [3, T] (M-RoPE: each frequency from its stream)."""
-        if positions.dim() == 1:
-            return (self.rope_cos.index_select(0, positions).unsqueeze(1),
-                    self.rope_sin.index_select(0, positions).unsqueeze(1))
-        index = self.rope_streams.view(1, 1, -1).expand(1, positions.shape[1], -1)
-        cos = self.rope_cos[positions].gather(0, index)[0]  # [3, T, rot] -> [T, rot]
-        sin = self.rope_sin[positions].gather(0, index)[0]
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        """cos, sin [T, 1, rot] for positions [T] (text) or [3, T] (M-RoPE)."""
+        return rope_tables(self.rope_cos, self.rope_sin, self.rope_streams, positions)
 
     def plan_states(self, state: StateBatch, meta: AttentionMetadata) -> DeltaPlan:
         """The step's DeltaPlan (once per forward; every linear layer reads it)."""

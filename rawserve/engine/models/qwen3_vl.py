@@ -12,6 +12,7 @@ from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target
 from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderModel, rms_norm
+from rawserve.engine.models.mrope import interleaved_streams, rope_tables
 
 
 class Qwen3VLTextModel(DecoderModel):
@@ -19,13 +20,7 @@ class Qwen3VLTextModel(DecoderModel):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attention_backend: str = "torch") -> None:
         super().__init__(cfg, dtype, attention_backend)
-        section = cfg.mrope_section
-        half = cfg.head_dim // 2
-        # Interleaved as Qwen3.5's (models/qwen35.py): frequency j turns with height when j % 3 == 1, width when
-        # j % 3 == 2 (within their sections), else with time.
-        stream = [1 if j % 3 == 1 and j < 3 * section[1] else 2 if j % 3 == 2 and j < 3 * section[2] else 0
-                  for j in range(half)]
-        self.rope_stream_of = stream + stream
+        self.rope_stream_of = interleaved_streams(cfg.mrope_section, cfg.head_dim // 2)
         self.rope_streams: torch.Tensor | None = None
 
     def targets(self) -> dict[str, Target]:
@@ -37,14 +32,7 @@ class Qwen3VLTextModel(DecoderModel):
         self.rope_streams = torch.tensor(self.rope_stream_of, dtype=torch.int64, device=device)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for positions [T] or [3, T] (each frequency from its stream)."""
-        if positions.dim() == 1:
-            return (self.rope_cos.index_select(0, positions).unsqueeze(1),
-                    self.rope_sin.index_select(0, positions).unsqueeze(1))
-        index = self.rope_streams.view(1, 1, -1).expand(1, positions.shape[1], -1)
-        cos = self.rope_cos[positions].gather(0, index)[0]  # [3, T, D] -> [T, D]
-        sin = self.rope_sin[positions].gather(0, index)[0]
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return rope_tables(self.rope_cos, self.rope_sin, self.rope_streams, positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
