@@ -4,6 +4,8 @@ pushdown automaton whose reachable part is built only as far as outputs go. Pure
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from rawserve.engine.guided.nfa import CompiledGrammar, has_edges
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
@@ -41,6 +43,10 @@ class Automaton:
         # 0: dead; 1: a thread that never popped into a MARK frame is alive; 2: only MARK threads
         self.kind: list[int] = [0]
         self._truncated: dict[int, int] = {}
+        self._regions = sorted(g.repeats)
+        self._region_firsts = [first for first, _, _ in self._regions]
+        self._shift_keys: dict[int, tuple[frozenset[tuple[int, int]], int]] = {}
+        self._shift_low: dict[int, int] = {}  # a configuration's lowest copy in its one run
         self._mark_stack = self._push(self.mark, 0)
         self.start = self._intern(self._closure([(g.rule_start[g.start_rule], 0)]))
 
@@ -157,6 +163,71 @@ class Automaton:
             cut = self._intern(frozenset(new))
         self._truncated[cid] = cut
         return cut
+
+    def shift_key(self, cid: int) -> tuple[frozenset[tuple[int, int]], int]:
+        """(threads, run): with threads in one repeat run (CompiledGrammar.repeats) the threads moved back so
+        its lowest copy is copy 0, and that run's index; else the threads as they are and -1 (none in a run)
+        or -2 (several runs). Configurations with equal keys in a run are shifts of each other along it: a
+        thread in copy i steps as the one in copy i + 1 does, as long as neither is near the run's end (see
+        spare_in)."""
+        key = self._shift_keys.get(cid)
+        if key is not None:
+            return key
+        threads = self.configs[cid]
+        run, low = -1, 0
+        for s, _ in threads:
+            r = self._run_of(s)
+            if r >= 0:
+                first, stride, _ = self._regions[r]
+                i = (s - first) // stride
+                if run == -1:
+                    run, low = r, i
+                elif run != r:
+                    run = -2
+                    break
+                else:
+                    low = min(low, i)
+        if run >= 0 and low:
+            first, stride, _ = self._regions[run]
+            threads = frozenset((s - low * stride, sid) if self._run_of(s) == run else (s, sid) for s, sid in threads)
+        key = self._shift_keys[cid] = (threads, run)
+        if run >= 0:
+            self._shift_low[cid] = low
+        return key
+
+    def shift_next(self, prev: int, cid: int) -> int | None:
+        """The configuration a string w leads to from cid, when w led from prev to cid and cid is prev one copy
+        on along a repeat run: cid one more copy on, made without stepping (interned from its threads). None
+        unless that holds, or when cid has under five copies to spare (w being one character, at most four
+        bytes, each taking a thread at most one copy on)."""
+        key, run = self.shift_key(cid)
+        if run < 0 or self.shift_key(prev) != (key, run) or self._shift_low[cid] != self._shift_low[prev] + 1:
+            return None
+        if self.spare_in(cid, run) < 5:
+            return None
+        first, stride, count = self._regions[run]
+        end = first + stride * count
+        return self._intern(frozenset((s + stride, sid) if first <= s < end else (s, sid)
+                                      for s, sid in self.configs[cid]))
+
+    def _run_of(self, s: int) -> int:
+        r = bisect_right(self._region_firsts, s) - 1
+        if r >= 0:
+            first, stride, count = self._regions[r]
+            if s < first + stride * count:
+                return r
+        return -1
+
+    def spare_in(self, cid: int, run: int) -> int:
+        """Copies of repeat run `run` that cid's threads may still take before its last two (a large number
+        when none is in it). A thread with at least one to spare steps as its shift a copy on does: only
+        the run's last copy ends without going on."""
+        first, stride, count = self._regions[run]
+        high = -1
+        for s, _ in self.configs[cid]:
+            if first <= s < first + stride * count:
+                high = max(high, (s - first) // stride)
+        return count - 2 - high if high >= 0 else 1 << 30
 
     def step_byte(self, cid: int, byte: int) -> int:
         nxt = self.next_byte[cid][byte]

@@ -6,6 +6,7 @@ Core side. Only rows of constrained requests are touched; a mask is computed onc
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,9 +41,15 @@ _PLAIN_UTF8 = (
     ((0x80, 0xBF, 0),), ((0xA0, 0xBF, 1),), ((0x80, 0xBF, 1),), ((0x80, 0x9F, 1),), ((0x90, 0xBF, 3),),
     ((0x80, 0xBF, 3),), ((0x80, 0x8F, 3),))
 _UNIFORM_NONE = -1  # a configuration that plain characters do not all move alike
+_ASCII_PLAIN = frozenset(b for b in range(0x20, 0x80) if b not in (0x22, 0x5C))  # one-byte plain characters
 # Stack frames a mask's base walk keeps: tokens that close more nested rules than this (e.g. `}}]}`)
 # are checked one by one against the whole stack.
 TRUNCATE_DEPTH = 3
+# A tail subtree this big or bigger has its walk kept (per Automaton.shift_key of the configuration at its root);
+# smaller ones cost less to walk again than to look up.
+SUB_WALK_MEMO_NODES = 8
+# A mask of at most this many walked ids is made as an id list directly (no [V] bool).
+SPARSE_MASK_MAX_IDS = 4096
 
 
 class TokenMask:
@@ -103,7 +110,8 @@ class GrammarRuntime:
         self._masks: dict[int, TokenMask] = {}  # per configuration
         self._walks: dict[int, tuple[int, torch.Tensor, list[int]]] = {}  # per truncated configuration
         self._plain_steps: dict[int, int] = {}  # configuration -> where every plain character leads
-        self._tail_walks: dict[int, list[tuple[int, int]]] = {}
+        # (tail subtree, shift key of the configuration at its root) -> plain count -> (certain, uncertain) tokens
+        self._sub_walks: dict[tuple, dict[int, tuple[list[int], list[int]]]] = {}
         self._shared: dict[tuple, TokenMask] = {}  # equal masks are one object
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
@@ -162,7 +170,7 @@ class GrammarRuntime:
         if self.cache_bytes > MAX_CACHE_BYTES:  # caches only: what is dropped is rebuilt when reached again
             self._masks.clear()
             self._walks.clear()
-            self._tail_walks.clear()
+            self._sub_walks.clear()
             self._shared.clear()
             self._token_next.clear()
             self.cache_bytes = 0
@@ -328,32 +336,122 @@ class GrammarRuntime:
         self._plain_steps[cid] = result
         return result
 
-    def _tail_ends(self, cid: int) -> list[tuple[int, int]]:
-        """(tail trie node holding tokens, the configuration after that tail) for every tail alive from cid."""
-        hit = self._tail_walks.get(cid)
-        if hit is not None:
-            return hit
+    def _tails_from(self, cid: int, n: int, certain: list[int], uncertain: list[int]) -> None:
+        """Add the tokens of n plain characters (every count when n < 0) whose tail the configuration `cid`
+        takes, split by whether they end alive (certain) or only in MARK frames (uncertain).
+
+        Each subtree under the root's first byte is walked once per (subtree, the configuration after that byte
+        up to a shift along a repeat run, Automaton.shift_key) and kept by count. A counted string's D_n all
+        close into one configuration with `"`, and are shifts of each other after an escape's `\\` or a
+        character's first byte: one walk of each subtree serves all of them, and the places after, until the
+        run nears its end."""
+        split = self.vocab.plain_split()
+        a = self.automaton
+        row = a.expand(cid)
+        shift_key = a.shift_key
+        memo = self._sub_walks
+        for byte, child in (split.children[0].items() if n < 0 else split.roots_by_count[n]):
+            nxt = row[byte]
+            if nxt == DEAD:
+                continue
+            if split.subtree_size[child] < SUB_WALK_MEMO_NODES:
+                self._walk_subtree(child, nxt, n, certain, uncertain)
+                continue
+            threads, run = shift_key(nxt)
+            key = (child, threads, run)
+            kept = memo.get(key)
+            if kept is None:
+                groups, low = self._walk_grouped(child, nxt, run)
+                kept = memo[key] = (groups, low, a.spare_in(nxt, run) if run >= 0 else 0)
+            groups, low, ref_spare = kept
+            # Along a run the kept walk holds for this shift of its start only if no configuration of it,
+            # shifted, would step from a copy with none to spare (see Automaton.spare_in).
+            if run >= 0 and (low < 1 or a.spare_in(nxt, run) < ref_spare - low + 1):
+                self._walk_subtree(child, nxt, n, certain, uncertain)
+                continue
+            if n >= 0:
+                hit = groups.get(n)
+                if hit is not None:
+                    certain.extend(hit[0])
+                    uncertain.extend(hit[1])
+            else:
+                for hit in groups.values():
+                    certain.extend(hit[0])
+                    uncertain.extend(hit[1])
+
+    def _row(self, cid: int, kids: dict[int, int]) -> list[int] | dict[int, int]:
+        """cid's next configurations for the bytes of `kids`: when all are one-byte plain characters and cid's
+        plain step is known (a place in a counted string, made by shifting), that step, without expanding
+        cid, whose 256 transitions a run of spaces a hundred long would otherwise build at every place."""
+        nxt = self._plain_steps.get(cid)
+        if nxt is not None and nxt != _UNIFORM_NONE and _ASCII_PLAIN.issuperset(kids):
+            return dict.fromkeys(kids, nxt)
+        return self.automaton.expand(cid)
+
+    def _walk_grouped(self, node: int, cid: int, run: int) -> tuple[dict[int, tuple[list[int], list[int]]], int]:
+        """The tail trie below `node` (itself included) from `cid`, the configuration at node: its tokens by
+        plain-character count -> (certain, uncertain), and the fewest copies of repeat run `run` any
+        configuration on the way had to spare. Kept by _tails_from: one walk serves every D_n whose
+        configuration after the first byte is a shift of cid's."""
         a = self.automaton
         split = self.vocab.plain_split()
         children, tails = split.children, split.tails
-        next_byte, expand = a.next_byte, a.expand
-        out = []
-        work = [(0, cid)]
+        next_byte, kind, spare_in = a.next_byte, a.kind, a.spare_in
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        low = 1 << 30
+        num_ids = 0
+        work = [(node, cid)]
         while work:
             node, c = work.pop()
-            row = next_byte[c]
-            if row[0] < 0:
-                row = expand(c)
-            for byte, child in children[node].items():
-                nxt = row[byte]
-                if nxt != DEAD:
-                    if tails[child] is not None:
-                        out.append((child, nxt))
-                    if children[child]:
+            if run >= 0:
+                low = min(low, spare_in(c, run))
+            found = tails[node]
+            if found is not None:
+                side = 0 if kind[c] == 1 else 1
+                for n, ids in found.items():
+                    group = groups.get(n)
+                    if group is None:
+                        group = groups[n] = ([], [])
+                    group[side].extend(ids)
+                    num_ids += len(ids)
+            kids = children[node]
+            if kids:
+                row = next_byte[c]
+                if row[0] < 0:
+                    row = self._row(c, kids)
+                for byte, child in kids.items():
+                    nxt = row[byte]
+                    if nxt != DEAD:
                         work.append((child, nxt))
-        self._tail_walks[cid] = out
-        self.cache_bytes += 64 * len(out) + 100
-        return out
+        self.cache_bytes += 200 + 100 * len(groups) + 8 * num_ids
+        return groups, low
+
+    def _walk_subtree(self, node: int, cid: int, n: int, certain: list[int], uncertain: list[int]) -> None:
+        """The tail trie below `node` (itself included) from `cid`, the configuration at node: its tokens of n
+        plain characters (every count when n < 0), entering only subtrees that hold some."""
+        a = self.automaton
+        split = self.vocab.plain_split()
+        children, tails, below = split.children, split.tails, split.counts_below
+        all_tails = split.all_tails
+        next_byte, kind = a.next_byte, a.kind
+        bit = -1 if n < 0 else 1 << n
+        work = [(node, cid)]
+        while work:
+            node, c = work.pop()
+            if tails[node] is not None:
+                ids = all_tails[node] if n < 0 else tails[node].get(n)
+                if ids:
+                    (certain if kind[c] == 1 else uncertain).extend(ids)
+            kids = children[node]
+            if kids:
+                row = next_byte[c]
+                if row[0] < 0:
+                    row = self._row(c, kids)
+                for byte, child in kids.items():
+                    if below[child] & bit:
+                        nxt = row[byte]
+                        if nxt != DEAD:
+                            work.append((child, nxt))
 
     def _walk_plain(self, cid: int) -> tuple[int, torch.Tensor, list[int]] | None:
         """The walk of a configuration that plain characters move alike (a string body, or one counted place
@@ -366,7 +464,7 @@ class GrammarRuntime:
             last = chain[-1]
             if last == DEAD:
                 break
-            nxt = self._plain_step(last)
+            nxt = self._next_plain(chain[-2], last) if len(chain) > 1 else self._plain_step(last)
             if nxt == _UNIFORM_NONE or a.kind[nxt] == 2:
                 return None
             if nxt == last:  # a loop: every later D_n is this one
@@ -375,24 +473,57 @@ class GrammarRuntime:
         # D_n = chain[min(n, len - 1)] after a loop or a full chain; after DEAD, D_n is DEAD from there on
         dies = chain[-1] == DEAD
         num_chars = len(chain) - 2 if dies else PLAIN_MAX_CHARS
-        split = self.vocab.plain_split()
-        kind = a.kind
         certain: list[int] = []
         uncertain: list[int] = []
+        long_plain = self.vocab.plain_split().long_plain
+        if long_plain and not dies:
+            # first, so the tails' walks below step along the chain by its kept plain steps (_row)
+            if len(chain) <= PLAIN_MAX_CHARS:  # a loop: D_n is its last configuration for every longer n
+                last = chain[-1]
+                for ids in long_plain.values():
+                    (certain if a.kind[last] == 1 else uncertain).extend(ids)
+            else:
+                longer = self._extend_chain(chain, max(long_plain))
+                if longer is None:
+                    return None
+                for length, ids in long_plain.items():
+                    d = longer[length] if length < len(longer) else DEAD
+                    if d != DEAD:
+                        (certain if a.kind[d] == 1 else uncertain).extend(ids)
         if len(chain) == 1:  # a loop from the start: every D_n is cid
-            for node, end in self._tail_ends(cid):
-                (certain if kind[end] == 1 else uncertain).extend(split.all_tails[node])
+            self._tails_from(cid, -1, certain, uncertain)
         else:
-            tails = split.tails
             for n in range(PLAIN_MAX_CHARS + 1):
                 d = chain[min(n, len(chain) - 1)]
                 if d == DEAD:
                     break
-                for node, end in self._tail_ends(d):
-                    ids = tails[node].get(n)
-                    if ids:
-                        (certain if kind[end] == 1 else uncertain).extend(ids)
+                self._tails_from(d, n, certain, uncertain)
         return num_chars, torch.tensor(certain, dtype=torch.int64), uncertain
+
+    def _extend_chain(self, chain: list[int], length: int) -> list[int] | None:
+        """D_0..D_length (stopping at DEAD) from the full chain D_0..D_PLAIN_MAX_CHARS, None if some D_n is not
+        uniform. Along a repeat run each D_n is D_{n-1} a copy on (Automaton.shift_next), made without
+        stepping; either way each step is kept, so the next place of a counted string looks them up."""
+        a = self.automaton
+        out = list(chain)
+        while len(out) <= length and out[-1] != DEAD:
+            nxt = self._next_plain(out[-2], out[-1])
+            if nxt == _UNIFORM_NONE or a.kind[nxt] == 2:
+                return None
+            out.append(nxt)
+        return out
+
+    def _next_plain(self, prev: int, last: int) -> int:
+        """_plain_step(last), where `last` is _plain_step(prev): by shifting when last is prev a copy on along
+        a repeat run (Automaton.shift_next), which spares the product walk and the expansion of last and of
+        its half-characters; kept either way."""
+        nxt = self._plain_steps.get(last)
+        if nxt is None:
+            nxt = self.automaton.shift_next(prev, last)
+            if nxt is None:
+                return self._plain_step(last)
+            self._plain_steps[last] = nxt
+        return nxt
 
     def _walk_py(self, cid: int) -> tuple[list[int], list[int]] | None:
         """The sparse walk in Python, node by node: for a narrow configuration (a key, digits, an enum) a
@@ -427,6 +558,14 @@ class GrammarRuntime:
 
     def _make_mask(self, num_plain: int, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
         v = self.vocab
+        if num_plain <= 0 and certain.numel() + len(more) <= SPARSE_MASK_MAX_IDS:
+            # a narrow mask (a key, digits, punctuation: most of a schema's masks) as its id list alone, without
+            # the four passes over a [V] bool that cost 0.2 ms a mask
+            ids = torch.cat((certain, torch.tensor(more, dtype=torch.int64))) if more else certain
+            if v.dup_ids.numel() and ids.numel():
+                ids = torch.cat((ids, v.dup_ids[torch.isin(v.dup_canon, ids)]))
+            ids = torch.unique(ids)
+            return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
         if num_plain > 0:
             allowed = v.plain_split().mask_upto(num_plain).clone()
         else:
@@ -493,6 +632,17 @@ def _build_masks(states: list[GuidedState]) -> None:
             log.debug("building a mask ahead failed; the step will retry it", exc_info=True)
 
 
+def prepare_vocab(vocab: VocabIndex) -> None:
+    """Build the vocabulary's plain split and Python trie arrays, then freeze what is alive (gc.freeze).
+
+    EngineCore froze the process at start, but the index is usually read later, at the first guided request:
+    unfrozen, its lists (four of 333k ints, 8k dicts) made every full collection walk them, and a full
+    collection in the core costs ~100 ms of one step on this box."""
+    vocab.plain_split()
+    vocab.py_arrays()
+    gc.freeze()
+
+
 class GuidedRegistry:
     """The core's grammars, shared across requests by key, least recently used dropped past `capacity`
     (requests still holding a dropped runtime keep it until they finish)."""
@@ -505,14 +655,10 @@ class GuidedRegistry:
         # One helper thread builds masks while the forward runs (torch ops release the GIL). Its first job is
         # the vocabulary's plain split and Python arrays (about a second), so no step waits for them whole.
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="guided-ahead")
-        self._ahead.submit(self._prepare_vocab)
+        self._ahead.submit(prepare_vocab, vocab)
         self.ahead_wait_s = 0.0  # what steps waited for masks still being built ahead, in all
         self.ahead_wait_max_s = 0.0
         self.num_ahead = 0  # steps that built masks ahead
-
-    def _prepare_vocab(self) -> None:
-        self.vocab.plain_split()
-        self.vocab.py_arrays()
 
     def build_ahead(self, states: list[GuidedState]) -> Future | None:
         """Start building, on the helper thread, the masks `states` will need in this step and do not have
