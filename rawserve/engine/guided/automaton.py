@@ -5,6 +5,7 @@ pushdown automaton whose reachable part is built only as far as outputs go. Pure
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterable
 
 from rawserve.engine.guided.nfa import CompiledGrammar, has_edges
 
@@ -47,6 +48,8 @@ class Automaton:
         self._region_firsts = [first for first, _, _ in self._regions]
         self._shift_keys: dict[int, tuple[frozenset[tuple[int, int]], int]] = {}
         self._shift_low: dict[int, int] = {}  # a configuration's lowest copy in its one run
+        self._partial: dict[int, dict[int, int]] = {}  # unexpanded configuration -> the bytes stepped so far
+        self._spare: dict[tuple[int, int], int] = {}  # (configuration, run) -> spare_in, asked per trie node
         self._mark_stack = self._push(self.mark, 0)
         self.start = self._intern(self._closure([(g.rule_start[g.start_rule], 0)]))
 
@@ -210,6 +213,32 @@ class Automaton:
         return self._intern(frozenset((s + stride, sid) if first <= s < end else (s, sid)
                                       for s, sid in self.configs[cid]))
 
+    def expand_shifted(self, prev: int, cid: int) -> list[int]:
+        """expand(cid), where cid is prev one copy on along a repeat run (as shift_next makes them) and prev is
+        expanded: each of prev's next configurations one copy on, interned without closures. A byte takes a
+        thread at most one copy on, so with five copies to spare the shifted threads stay inside the run, where
+        copy i + 1 steps as copy i does. Otherwise, or when prev is not expanded yet, a plain expand."""
+        row = self.next_byte[cid]
+        if cid == DEAD or row[0] >= 0:
+            return row
+        base = self.next_byte[prev]
+        key, run = self.shift_key(cid)
+        if (base[0] < 0 or run < 0 or self.shift_key(prev) != (key, run)
+                or self._shift_low[cid] != self._shift_low[prev] + 1 or self.spare_in(cid, run) < 5):
+            return self.expand(cid)
+        first, stride, count = self._regions[run]
+        end = first + stride * count
+        shifted: dict[int, int] = {DEAD: DEAD}
+        row = []
+        for nxt in base:
+            hit = shifted.get(nxt)
+            if hit is None:
+                hit = shifted[nxt] = self._intern(frozenset(
+                    (s + stride, sid) if first <= s < end else (s, sid) for s, sid in self.configs[nxt]))
+            row.append(hit)
+        self.next_byte[cid] = row
+        return row
+
     def _run_of(self, s: int) -> int:
         r = bisect_right(self._region_firsts, s) - 1
         if r >= 0:
@@ -222,12 +251,16 @@ class Automaton:
         """Copies of repeat run `run` that cid's threads may still take before its last two (a large number
         when none is in it). A thread with at least one to spare steps as its shift a copy on does: only
         the run's last copy ends without going on."""
+        key = (cid, run)
+        spare = self._spare.get(key)
+        if spare is not None:
+            return spare
         first, stride, count = self._regions[run]
-        high = -1
-        for s, _ in self.configs[cid]:
-            if first <= s < first + stride * count:
-                high = max(high, (s - first) // stride)
-        return count - 2 - high if high >= 0 else 1 << 30
+        end = first + stride * count
+        inside = [s for s, _ in self.configs[cid] if first <= s < end]
+        spare = count - 2 - (max(inside) - first) // stride if inside else 1 << 30
+        self._spare[key] = spare
+        return spare
 
     def step_byte(self, cid: int, byte: int) -> int:
         nxt = self.next_byte[cid][byte]
@@ -239,18 +272,51 @@ class Automaton:
         row = self.next_byte[cid]
         if cid == DEAD or row[0] >= 0:
             return row
-        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
-        edges = [(lo, hi, t, sid) for s, sid in self.configs[cid]
-                 for lo, hi, t in (byte_edges[s] if s != mark else any_byte)]
+        edges = self._edges(cid)
         cuts = sorted({0, 256, *(lo for lo, _, _, _ in edges), *(hi + 1 for _, hi, _, _ in edges)})
         row = [DEAD] * 256
+        # Byte runs that move the same threads share one closure: a string character's class is cut into a
+        # dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
+        closed: dict[tuple[tuple[int, int], ...], int] = {}
         for begin, end in zip(cuts, cuts[1:]):
-            moved = [(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi]
+            moved = tuple((t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi)
             if moved:
-                nxt = self._intern(self._closure(moved))
+                nxt = closed.get(moved)
+                if nxt is None:
+                    nxt = closed[moved] = self._intern(self._closure(list(moved)))
                 row[begin:end] = [nxt] * (end - begin)
         self.next_byte[cid] = row
         return row
+
+    def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
+        """(lo, hi, target state, stack id) of every byte edge of cid's threads."""
+        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
+        return [(lo, hi, t, sid) for s, sid in self.configs[cid]
+                for lo, hi, t in (byte_edges[s] if s != mark else any_byte)]
+
+    def step_some(self, cid: int, data: Iterable[int]) -> list[int] | dict[int, int]:
+        """cid's next configurations for the bytes of `data` alone (its whole row when expanded): a tail walk
+        follows two or three bytes out of a configuration whose full row would intern ten successors
+        (an escape's, the UTF-8 lead bytes'): half the configurations a maxLength string's first mask interned."""
+        row = self.next_byte[cid]
+        if cid == DEAD or row[0] >= 0:
+            return row
+        known = self._partial.get(cid)
+        if known is None:
+            known = self._partial[cid] = {}
+        edges = None
+        closed: dict[tuple[tuple[int, int], ...], int] = {}
+        for byte in data:
+            if byte in known:
+                continue
+            if edges is None:
+                edges = self._edges(cid)
+            moved = tuple((t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi)
+            nxt = closed.get(moved)
+            if nxt is None:
+                nxt = closed[moved] = self._intern(self._closure(list(moved))) if moved else DEAD
+            known[byte] = nxt
+        return known
 
     def step_bytes(self, cid: int, data: bytes) -> int:
         next_byte = self.next_byte

@@ -136,19 +136,25 @@ def has_edges(a: list | _Rows, b: list | _Rows) -> list[bool]:
 class _Rows:
     """Per-state edge lists read from flat ints: rows[s] is state s's list (of ints, or of width-tuples)."""
 
-    __slots__ = ("offsets", "flat", "width")
+    __slots__ = ("offsets", "flat", "width", "_tuples")
 
     def __init__(self, offsets: list[int], flat: list[int], width: int) -> None:
         self.offsets, self.flat, self.width = offsets, flat, width
+        # rows of tuples made once per state read: a configuration's expansion and closures read the same
+        # few states hundreds of times, and regrouping the flat ints at every read topped a cold mask's profile
+        self._tuples: dict[int, list] = {}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def __getitem__(self, s: int) -> list:
-        a, b = self.offsets[s], self.offsets[s + 1]
         if self.width == 1:
-            return self.flat[a:b]
-        return list(zip(*[iter(self.flat[a:b])] * self.width))
+            return self.flat[self.offsets[s]:self.offsets[s + 1]]
+        row = self._tuples.get(s)
+        if row is None:
+            a, b = self.offsets[s], self.offsets[s + 1]
+            row = self._tuples[s] = list(zip(*[iter(self.flat[a:b])] * self.width))
+        return row
 
     def __iter__(self):
         return (self[s] for s in range(len(self)))
