@@ -4,6 +4,9 @@ pushdown automaton whose reachable part is built only as far as outputs go. Pure
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterable
+
 from rawserve.engine.guided.nfa import CompiledGrammar, has_edges
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
@@ -41,6 +44,12 @@ class Automaton:
         # 0: dead; 1: a thread that never popped into a MARK frame is alive; 2: only MARK threads
         self.kind: list[int] = [0]
         self._truncated: dict[int, int] = {}
+        self._regions = sorted(g.repeats)
+        self._region_firsts = [first for first, _, _ in self._regions]
+        self._shift_keys: dict[int, tuple[frozenset[tuple[int, int]], int]] = {}
+        self._shift_low: dict[int, int] = {}  # a configuration's lowest copy in its one run
+        self._partial: dict[int, dict[int, int]] = {}  # unexpanded configuration -> the bytes stepped so far
+        self._spare: dict[tuple[int, int], int] = {}  # (configuration, run) -> spare_in, asked per trie node
         self._mark_stack = self._push(self.mark, 0)
         self.start = self._intern(self._closure([(g.rule_start[g.start_rule], 0)]))
 
@@ -158,6 +167,101 @@ class Automaton:
         self._truncated[cid] = cut
         return cut
 
+    def shift_key(self, cid: int) -> tuple[frozenset[tuple[int, int]], int]:
+        """(threads, run): with threads in one repeat run (CompiledGrammar.repeats) the threads moved back so
+        its lowest copy is copy 0, and that run's index; else the threads as they are and -1 (none in a run)
+        or -2 (several runs). Configurations with equal keys in a run are shifts of each other along it: a
+        thread in copy i steps as the one in copy i + 1 does, as long as neither is near the run's end (see
+        spare_in)."""
+        key = self._shift_keys.get(cid)
+        if key is not None:
+            return key
+        threads = self.configs[cid]
+        run, low = -1, 0
+        for s, _ in threads:
+            r = self._run_of(s)
+            if r >= 0:
+                first, stride, _ = self._regions[r]
+                i = (s - first) // stride
+                if run == -1:
+                    run, low = r, i
+                elif run != r:
+                    run = -2
+                    break
+                else:
+                    low = min(low, i)
+        if run >= 0 and low:
+            first, stride, _ = self._regions[run]
+            threads = frozenset((s - low * stride, sid) if self._run_of(s) == run else (s, sid) for s, sid in threads)
+        key = self._shift_keys[cid] = (threads, run)
+        if run >= 0:
+            self._shift_low[cid] = low
+        return key
+
+    def shift_next(self, prev: int, cid: int) -> int | None:
+        """The configuration a string w leads to from cid, when w led from prev to cid and cid is prev one copy
+        on along a repeat run: cid one more copy on, made without stepping (interned from its threads). None
+        unless that holds, or when cid has under five copies to spare (w being one character, at most four
+        bytes, each taking a thread at most one copy on)."""
+        key, run = self.shift_key(cid)
+        if run < 0 or self.shift_key(prev) != (key, run) or self._shift_low[cid] != self._shift_low[prev] + 1:
+            return None
+        if self.spare_in(cid, run) < 5:
+            return None
+        first, stride, count = self._regions[run]
+        end = first + stride * count
+        return self._intern(frozenset((s + stride, sid) if first <= s < end else (s, sid)
+                                      for s, sid in self.configs[cid]))
+
+    def expand_shifted(self, prev: int, cid: int) -> list[int]:
+        """expand(cid), where cid is prev one copy on along a repeat run (as shift_next makes them) and prev is
+        expanded: each of prev's next configurations one copy on, interned without closures. A byte takes a
+        thread at most one copy on, so with five copies to spare the shifted threads stay inside the run, where
+        copy i + 1 steps as copy i does. Otherwise, or when prev is not expanded yet, a plain expand."""
+        row = self.next_byte[cid]
+        if cid == DEAD or row[0] >= 0:
+            return row
+        base = self.next_byte[prev]
+        key, run = self.shift_key(cid)
+        if (base[0] < 0 or run < 0 or self.shift_key(prev) != (key, run)
+                or self._shift_low[cid] != self._shift_low[prev] + 1 or self.spare_in(cid, run) < 5):
+            return self.expand(cid)
+        first, stride, count = self._regions[run]
+        end = first + stride * count
+        shifted: dict[int, int] = {DEAD: DEAD}
+        row = []
+        for nxt in base:
+            hit = shifted.get(nxt)
+            if hit is None:
+                hit = shifted[nxt] = self._intern(frozenset(
+                    (s + stride, sid) if first <= s < end else (s, sid) for s, sid in self.configs[nxt]))
+            row.append(hit)
+        self.next_byte[cid] = row
+        return row
+
+    def _run_of(self, s: int) -> int:
+        r = bisect_right(self._region_firsts, s) - 1
+        if r >= 0:
+            first, stride, count = self._regions[r]
+            if s < first + stride * count:
+                return r
+        return -1
+
+    def spare_in(self, cid: int, run: int) -> int:
+        """Copies of repeat run `run` that cid's threads may still take before its last two (a large number
+        when none is in it). A thread with at least one to spare steps as its shift a copy on does: only
+        the run's last copy ends without going on."""
+        key = (cid, run)
+        spare = self._spare.get(key)
+        if spare is not None:
+            return spare
+        first, stride, count = self._regions[run]
+        end = first + stride * count
+        inside = [s for s, _ in self.configs[cid] if first <= s < end]
+        spare = count - 2 - (max(inside) - first) // stride if inside else 1 << 30
+        self._spare[key] = spare
+        return spare
+
     def step_byte(self, cid: int, byte: int) -> int:
         nxt = self.next_byte[cid][byte]
         return nxt if nxt >= 0 else self.expand(cid)[byte]
@@ -168,18 +272,51 @@ class Automaton:
         row = self.next_byte[cid]
         if cid == DEAD or row[0] >= 0:
             return row
-        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
-        edges = [(lo, hi, t, sid) for s, sid in self.configs[cid]
-                 for lo, hi, t in (byte_edges[s] if s != mark else any_byte)]
+        edges = self._edges(cid)
         cuts = sorted({0, 256, *(lo for lo, _, _, _ in edges), *(hi + 1 for _, hi, _, _ in edges)})
         row = [DEAD] * 256
+        # Byte runs that move the same threads share one closure: a string character's class is cut into a
+        # dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
+        closed: dict[tuple[tuple[int, int], ...], int] = {}
         for begin, end in zip(cuts, cuts[1:]):
-            moved = [(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi]
+            moved = tuple((t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi)
             if moved:
-                nxt = self._intern(self._closure(moved))
+                nxt = closed.get(moved)
+                if nxt is None:
+                    nxt = closed[moved] = self._intern(self._closure(list(moved)))
                 row[begin:end] = [nxt] * (end - begin)
         self.next_byte[cid] = row
         return row
+
+    def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
+        """(lo, hi, target state, stack id) of every byte edge of cid's threads."""
+        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
+        return [(lo, hi, t, sid) for s, sid in self.configs[cid]
+                for lo, hi, t in (byte_edges[s] if s != mark else any_byte)]
+
+    def step_some(self, cid: int, data: Iterable[int]) -> list[int] | dict[int, int]:
+        """cid's next configurations for the bytes of `data` alone (its whole row when expanded): a tail walk
+        follows two or three bytes out of a configuration whose full row would intern ten successors
+        (an escape's, the UTF-8 lead bytes'): half the configurations a maxLength string's first mask interned."""
+        row = self.next_byte[cid]
+        if cid == DEAD or row[0] >= 0:
+            return row
+        known = self._partial.get(cid)
+        if known is None:
+            known = self._partial[cid] = {}
+        edges = None
+        closed: dict[tuple[tuple[int, int], ...], int] = {}
+        for byte in data:
+            if byte in known:
+                continue
+            if edges is None:
+                edges = self._edges(cid)
+            moved = tuple((t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi)
+            nxt = closed.get(moved)
+            if nxt is None:
+                nxt = closed[moved] = self._intern(self._closure(list(moved))) if moved else DEAD
+            known[byte] = nxt
+        return known
 
     def step_bytes(self, cid: int, data: bytes) -> int:
         next_byte = self.next_byte

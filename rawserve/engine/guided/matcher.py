@@ -6,6 +6,7 @@ Core side. Only rows of constrained requests are touched; a mask is computed onc
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,11 +17,12 @@ import torch
 
 from rawserve.engine.guided.automaton import DEAD, Automaton
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.vocab import PLAIN_MAX_CHARS, VocabIndex
+from rawserve.engine.guided.plain_walk import PlainWalk
+from rawserve.engine.guided.token_mask import TokenMask
+from rawserve.engine.guided.vocab import VocabIndex
 
 log = logging.getLogger("rawserve.engine.guided")
 
-_NEG_INF = float("-inf")
 # A configuration that more first bytes than this can continue is walked densely (every trie node at once).
 DENSE_WALK_FIRST_BYTES = 24
 # Per grammar: past this many configurations (about 4 KB each with their transition rows) an adversarial
@@ -32,59 +34,11 @@ MAX_CACHE_BYTES = 64 << 20
 # A narrow configuration is walked in Python, node by node, until this many trie edges have been looked at;
 # past it (a narrow start that opens onto a wide subtree) the tensor walk takes over.
 PY_WALK_BUDGET = 40_000
-# UTF-8 of one plain character (vocab._PLAIN_CHAR) as an automaton: state -> (lo, hi, next state), 0 the
-# boundary between characters. A configuration's plain step is read off its product with this.
-_PLAIN_UTF8 = (
-    ((0x20, 0x21, 0), (0x23, 0x5B, 0), (0x5D, 0x7F, 0), (0xC2, 0xDF, 1), (0xE0, 0xE0, 2), (0xE1, 0xEC, 3),
-     (0xED, 0xED, 4), (0xEE, 0xEF, 3), (0xF0, 0xF0, 5), (0xF1, 0xF3, 6), (0xF4, 0xF4, 7)),
-    ((0x80, 0xBF, 0),), ((0xA0, 0xBF, 1),), ((0x80, 0xBF, 1),), ((0x80, 0x9F, 1),), ((0x90, 0xBF, 3),),
-    ((0x80, 0xBF, 3),), ((0x80, 0x8F, 3),))
-_UNIFORM_NONE = -1  # a configuration that plain characters do not all move alike
 # Stack frames a mask's base walk keeps: tokens that close more nested rules than this (e.g. `}}]}`)
 # are checked one by one against the whole stack.
 TRUNCATE_DEPTH = 3
-
-
-class TokenMask:
-    """The tokens a configuration allows, kept as the shorter of the allowed or the banned id list.
-
-    Special tokens the grammar names are in it; EOS is not (it depends on the request's EOS ids and
-    is added when the configuration accepts).
-    """
-
-    __slots__ = ("is_allow_list", "ids", "num_allowed", "accepting")
-
-    def __init__(self, is_allow_list: bool, ids: torch.Tensor, num_allowed: int, accepting: bool) -> None:
-        self.is_allow_list = is_allow_list
-        self.ids = ids  # int64 on the logits' device
-        self.num_allowed = num_allowed
-        self.accepting = accepting
-
-    def apply(self, row: torch.Tensor, eos_ids: list[int]) -> None:
-        """Set every disallowed logit of `row` ([V]) to -inf, in place. EOS stays only if accepting;
-        a configuration that allows nothing at all allows EOS, so the request can end."""
-        keep_eos = eos_ids if (self.accepting or self.num_allowed == 0) else ()
-        if self.is_allow_list:
-            ids = self.ids
-            if keep_eos:
-                ids = torch.cat((ids, torch.tensor(keep_eos, dtype=torch.int64, device=ids.device)))
-            values = row.index_select(0, ids)
-            row.fill_(_NEG_INF)
-            row.index_copy_(0, ids, values)
-            return
-        if keep_eos:
-            eos = torch.tensor(keep_eos, dtype=torch.int64, device=row.device)
-            saved = row.index_select(0, eos)
-            row.index_fill_(0, self.ids, _NEG_INF)
-            row.index_copy_(0, eos, saved)
-        else:
-            row.index_fill_(0, self.ids, _NEG_INF)
-
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        """[V] bool (tests and the brute-force check)."""
-        mask = torch.zeros(vocab_size, dtype=torch.bool)
-        mask[self.ids.cpu()] = True
-        return mask if self.is_allow_list else ~mask
+# A mask of at most this many walked ids is made as an id list directly (no [V] bool).
+SPARSE_MASK_MAX_IDS = 4096
 
 
 class GrammarRuntime:
@@ -102,14 +56,17 @@ class GrammarRuntime:
         self._num_kinds = 0
         self._masks: dict[int, TokenMask] = {}  # per configuration
         self._walks: dict[int, tuple[int, torch.Tensor, list[int]]] = {}  # per truncated configuration
-        self._plain_steps: dict[int, int] = {}  # configuration -> where every plain character leads
-        self._tail_walks: dict[int, list[tuple[int, int]]] = {}
+        self._plain = PlainWalk(self.automaton, vocab)  # walks of configurations plain characters move alike
         self._shared: dict[tuple, TokenMask] = {}  # equal masks are one object
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
         self.num_walks = {"plain": 0, "python": 0, "tensor": 0}  # which walk built each mask's base
         self.mask_build_s = 0.0
-        self.cache_bytes = 0  # what the walks and masks hold
+        self._cache_bytes = 0  # what the walks and masks hold, apart from the plain walks'
+
+    @property
+    def cache_bytes(self) -> int:
+        return self._cache_bytes + self._plain.cache_bytes
 
     @property
     def start(self) -> int:
@@ -129,7 +86,7 @@ class GrammarRuntime:
                 data = self.vocab.token_bytes[token_id] if 0 <= token_id < len(self.vocab.token_bytes) else b""
                 nxt = a.step_bytes(cid, data) if data and token_id not in self.vocab.special_set else DEAD
             self._token_next[key] = nxt
-            self.cache_bytes += 100  # the dict entry
+            self._cache_bytes += 100  # the dict entry
         return nxt
 
     def mask(self, cid: int) -> TokenMask:
@@ -162,17 +119,17 @@ class GrammarRuntime:
         if self.cache_bytes > MAX_CACHE_BYTES:  # caches only: what is dropped is rebuilt when reached again
             self._masks.clear()
             self._walks.clear()
-            self._tail_walks.clear()
+            self._plain.clear()
             self._shared.clear()
             self._token_next.clear()
-            self.cache_bytes = 0
+            self._cache_bytes = 0
         a = self.automaton
         base = a.truncate(cid, TRUNCATE_DEPTH) if cid != DEAD else DEAD
         walked = self._walks.get(base)
         if walked is None:
             walked = self._walk(base)
             self._walks[base] = walked
-            self.cache_bytes += walked[1].numel() * walked[1].element_size() + 8 * len(walked[2])
+            self._cache_bytes += walked[1].numel() * walked[1].element_size() + 8 * len(walked[2])
         num_plain, certain, uncertain = walked
         extra = [t for t in uncertain if self.advance(cid, t) != DEAD]
         specials = [t for t in a.allowed_tokens(cid) if 0 <= t < self.vocab.vocab_size] if cid != DEAD else []
@@ -181,7 +138,7 @@ class GrammarRuntime:
         if mask is None:
             mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid])
             self._shared[key] = mask
-            self.cache_bytes += mask.ids.numel() * mask.ids.element_size()
+            self._cache_bytes += mask.ids.numel() * mask.ids.element_size()
         self._masks[cid] = mask
         self.num_masks_built += 1
         self.mask_build_s += time.perf_counter() - began
@@ -282,7 +239,7 @@ class GrammarRuntime:
         first = self.automaton.expand(cid)
         num_live_first = sum(1 for c in first if c != DEAD)
         if num_live_first > DENSE_WALK_FIRST_BYTES:
-            plain = self._walk_plain(cid)
+            plain = self._plain.walk(cid)
             if plain is not None:
                 self.num_walks["plain"] += 1
                 return plain
@@ -295,104 +252,6 @@ class GrammarRuntime:
         walk = self._walk_dense if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse
         certain, uncertain = walk(cid)
         return -1, certain, uncertain.tolist()
-
-    def _plain_step(self, cid: int) -> int:
-        """The configuration every plain character leads to from `cid` (DEAD if none is allowed), or
-        _UNIFORM_NONE when they do not all lead to one: read off the product with _PLAIN_UTF8."""
-        hit = self._plain_steps.get(cid)
-        if hit is not None:
-            return hit
-        a = self.automaton
-        ends: set[int] = set()
-        seen = {(cid, 0)}
-        work = [(cid, 0)]
-        result = None
-        while work and result is None:
-            c, u = work.pop()
-            row = a.expand(c)
-            for lo, hi, nu in _PLAIN_UTF8[u]:
-                nxt = row[lo]
-                if row[lo:hi + 1].count(nxt) != hi + 1 - lo:
-                    result = _UNIFORM_NONE  # bytes of one class part ways: not a plain-character loop
-                    break
-                if nxt == DEAD or nu == 0:
-                    ends.add(nxt)
-                    if len(ends) > 1:
-                        result = _UNIFORM_NONE
-                        break
-                elif (nxt, nu) not in seen:
-                    seen.add((nxt, nu))
-                    work.append((nxt, nu))
-        if result is None:
-            result = ends.pop() if ends else DEAD
-        self._plain_steps[cid] = result
-        return result
-
-    def _tail_ends(self, cid: int) -> list[tuple[int, int]]:
-        """(tail trie node holding tokens, the configuration after that tail) for every tail alive from cid."""
-        hit = self._tail_walks.get(cid)
-        if hit is not None:
-            return hit
-        a = self.automaton
-        split = self.vocab.plain_split()
-        children, tails = split.children, split.tails
-        next_byte, expand = a.next_byte, a.expand
-        out = []
-        work = [(0, cid)]
-        while work:
-            node, c = work.pop()
-            row = next_byte[c]
-            if row[0] < 0:
-                row = expand(c)
-            for byte, child in children[node].items():
-                nxt = row[byte]
-                if nxt != DEAD:
-                    if tails[child] is not None:
-                        out.append((child, nxt))
-                    if children[child]:
-                        work.append((child, nxt))
-        self._tail_walks[cid] = out
-        self.cache_bytes += 64 * len(out) + 100
-        return out
-
-    def _walk_plain(self, cid: int) -> tuple[int, torch.Tensor, list[int]] | None:
-        """The walk of a configuration that plain characters move alike (a string body, or one counted place
-        of a maxLength string): D_n, the configuration after n plain characters, for n up to PLAIN_MAX_CHARS;
-        then tokens of n plain characters alone by count, and each tail from its D_n. None if any D_n is not
-        uniform or pops below the cut (the general walk then)."""
-        a = self.automaton
-        chain = [cid]
-        while len(chain) <= PLAIN_MAX_CHARS:
-            last = chain[-1]
-            if last == DEAD:
-                break
-            nxt = self._plain_step(last)
-            if nxt == _UNIFORM_NONE or a.kind[nxt] == 2:
-                return None
-            if nxt == last:  # a loop: every later D_n is this one
-                break
-            chain.append(nxt)
-        # D_n = chain[min(n, len - 1)] after a loop or a full chain; after DEAD, D_n is DEAD from there on
-        dies = chain[-1] == DEAD
-        num_chars = len(chain) - 2 if dies else PLAIN_MAX_CHARS
-        split = self.vocab.plain_split()
-        kind = a.kind
-        certain: list[int] = []
-        uncertain: list[int] = []
-        if len(chain) == 1:  # a loop from the start: every D_n is cid
-            for node, end in self._tail_ends(cid):
-                (certain if kind[end] == 1 else uncertain).extend(split.all_tails[node])
-        else:
-            tails = split.tails
-            for n in range(PLAIN_MAX_CHARS + 1):
-                d = chain[min(n, len(chain) - 1)]
-                if d == DEAD:
-                    break
-                for node, end in self._tail_ends(d):
-                    ids = tails[node].get(n)
-                    if ids:
-                        (certain if kind[end] == 1 else uncertain).extend(ids)
-        return num_chars, torch.tensor(certain, dtype=torch.int64), uncertain
 
     def _walk_py(self, cid: int) -> tuple[list[int], list[int]] | None:
         """The sparse walk in Python, node by node: for a narrow configuration (a key, digits, an enum) a
@@ -427,6 +286,14 @@ class GrammarRuntime:
 
     def _make_mask(self, num_plain: int, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
         v = self.vocab
+        if num_plain <= 0 and certain.numel() + len(more) <= SPARSE_MASK_MAX_IDS:
+            # a narrow mask (a key, digits, punctuation: most of a schema's masks) as its id list alone, without
+            # the four passes over a [V] bool that cost 0.2 ms a mask
+            ids = torch.cat((certain, torch.tensor(more, dtype=torch.int64))) if more else certain
+            if v.dup_ids.numel() and ids.numel():
+                ids = torch.cat((ids, v.dup_ids[torch.isin(v.dup_canon, ids)]))
+            ids = torch.unique(ids)
+            return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
         if num_plain > 0:
             allowed = v.plain_split().mask_upto(num_plain).clone()
         else:
@@ -493,6 +360,17 @@ def _build_masks(states: list[GuidedState]) -> None:
             log.debug("building a mask ahead failed; the step will retry it", exc_info=True)
 
 
+def prepare_vocab(vocab: VocabIndex) -> None:
+    """Build the vocabulary's plain split and Python trie arrays, then freeze what is alive (gc.freeze).
+
+    EngineCore froze the process at start, but the index is usually read later, at the first guided request:
+    unfrozen, its lists (four of 333k ints, 8k dicts) made every full collection walk them, and a full
+    collection in the core costs ~100 ms of one step on this box."""
+    vocab.plain_split()
+    vocab.py_arrays()
+    gc.freeze()
+
+
 class GuidedRegistry:
     """The core's grammars, shared across requests by key, least recently used dropped past `capacity`
     (requests still holding a dropped runtime keep it until they finish)."""
@@ -505,14 +383,10 @@ class GuidedRegistry:
         # One helper thread builds masks while the forward runs (torch ops release the GIL). Its first job is
         # the vocabulary's plain split and Python arrays (about a second), so no step waits for them whole.
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="guided-ahead")
-        self._ahead.submit(self._prepare_vocab)
+        self._ahead.submit(prepare_vocab, vocab)
         self.ahead_wait_s = 0.0  # what steps waited for masks still being built ahead, in all
         self.ahead_wait_max_s = 0.0
         self.num_ahead = 0  # steps that built masks ahead
-
-    def _prepare_vocab(self) -> None:
-        self.vocab.plain_split()
-        self.vocab.py_arrays()
 
     def build_ahead(self, states: list[GuidedState]) -> Future | None:
         """Start building, on the helper thread, the masks `states` will need in this step and do not have

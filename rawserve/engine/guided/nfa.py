@@ -5,10 +5,15 @@ SamplingParams, and run there by `automaton.Automaton`.
 """
 from __future__ import annotations
 
+import gc
+import threading
 from array import array
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
+from rawserve.engine.guided.gbnf import nullable
 from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, GrammarError, Node, Ref, Repeat, Seq,
                                             Token, iter_refs)
 
@@ -19,6 +24,43 @@ MAX_NFA_STATES = 250_000
 INLINE_MAX_NODES = 64
 
 
+class _EveryRule:
+    """Every rule name, for gbnf.nullable: a rule reference counts as possibly empty (no walk into rules)."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+_EVERY_RULE = _EveryRule()
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off the cyclic garbage collector while an NFA is built (nests, from any thread).
+
+    A build allocates tens of thousands of small lists, and the allocation thresholds it crossed ran full
+    collections over every object of the process: nested20's compile took 140 ms of CPU with them and 18 ms
+    without (bench.guided's process). Nothing it makes holds a cycle, so reference counting frees what it
+    drops; the collector runs again from the next threshold after, by when a compile worker has sent the
+    NFA and dropped it."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 @dataclass(slots=True)
 class CompiledGrammar:
     """A grammar's NFA. States are indices; every list below is indexed by state.
@@ -26,6 +68,11 @@ class CompiledGrammar:
     byte_edges[s]: (lo, hi, target) byte ranges; token_edges[s]: (token_id, target);
     call_edges[s]: (rule, return_state); eps[s]: targets. A called rule r runs from rule_start[r] to
     rule_final[r]; the grammar accepts at rule_final[start_rule] with an empty stack.
+
+    repeats: (first, stride, count) per run of `count` optional copies of one repeated item (a maxLength
+    string's characters), made alike: copy i's states are copy 0's plus i * stride, from `first` on, and the
+    state at first + i * stride is where copy i ends. A thread there behaves as the one a copy later does
+    until it nears the run's end, which is what lets the core share a mask's walks along the run.
     """
     key: str
     eps: list[list[int]]
@@ -36,6 +83,7 @@ class CompiledGrammar:
     rule_start: list[int]
     rule_final: list[int]
     start_rule: int
+    repeats: list[tuple[int, int, int]] = field(default_factory=list)
     _packed: dict | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -48,7 +96,7 @@ class CompiledGrammar:
         if self._packed is not None:  # unpickled here: send on what came in, without walking the edges again
             return self._packed
         state = {"key": self.key, "rule_start": self.rule_start, "rule_final": self.rule_final,
-                 "start_rule": self.start_rule, "is_final": bytes(self.is_final)}
+                 "start_rule": self.start_rule, "is_final": bytes(self.is_final), "repeats": self.repeats}
         for name, width in _EDGE_LISTS:
             offsets = array("i", [0])
             flat = array("i")
@@ -67,6 +115,7 @@ class CompiledGrammar:
         self._packed = state
         self.key, self.rule_start, self.rule_final = state["key"], state["rule_start"], state["rule_final"]
         self.start_rule = state["start_rule"]
+        self.repeats = state.get("repeats", [])
         self.is_final = list(map(bool, state["is_final"]))
         for name, width in _EDGE_LISTS:
             offsets, flat = state[name]
@@ -87,19 +136,25 @@ def has_edges(a: list | _Rows, b: list | _Rows) -> list[bool]:
 class _Rows:
     """Per-state edge lists read from flat ints: rows[s] is state s's list (of ints, or of width-tuples)."""
 
-    __slots__ = ("offsets", "flat", "width")
+    __slots__ = ("offsets", "flat", "width", "_tuples")
 
     def __init__(self, offsets: list[int], flat: list[int], width: int) -> None:
         self.offsets, self.flat, self.width = offsets, flat, width
+        # rows of tuples made once per state read: a configuration's expansion and closures read the same
+        # few states hundreds of times, and regrouping the flat ints at every read topped a cold mask's profile
+        self._tuples: dict[int, list] = {}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def __getitem__(self, s: int) -> list:
-        a, b = self.offsets[s], self.offsets[s + 1]
         if self.width == 1:
-            return self.flat[a:b]
-        return list(zip(*[iter(self.flat[a:b])] * self.width))
+            return self.flat[self.offsets[s]:self.offsets[s + 1]]
+        row = self._tuples.get(s)
+        if row is None:
+            a, b = self.offsets[s], self.offsets[s + 1]
+            row = self._tuples[s] = list(zip(*[iter(self.flat[a:b])] * self.width))
+        return row
 
     def __iter__(self):
         return (self[s] for s in range(len(self)))
@@ -168,6 +223,7 @@ class _Builder:
         self.rule_start: list[int] = []
         self.rule_final: list[int] = []
         self.pending: list[str] = []
+        self.repeats: list[tuple[int, int, int]] = []
 
     def new(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
@@ -316,16 +372,36 @@ class _Builder:
             self.eps[state].append(end)
             self.eps[loop_out].append(end)
             return
+        first = len(self.eps)
+        strides = set()
         for _ in range(node.max - node.min):  # optional copies, each may stop early
             self.eps[state].append(end)
             target = self.new()
             self.build(node.item, state, target)
+            strides.add(len(self.eps) - target)
             state = target
         self.eps[state].append(end)
+        count = node.max - node.min
+        if count >= 3 and len(strides) == 1 and not nullable(node.item, _EVERY_RULE):
+            self._add_region(first, strides.pop(), count)
+
+    def _add_region(self, first: int, stride: int, count: int) -> None:
+        """Record a run of optional copies made alike (see CompiledGrammar.repeats), of an item that is never
+        empty (so a byte takes a thread at most one copy on). One inside another's range is kept and the outer
+        one dropped: the inner ones (a maxLength string in an array's item) are the long runs, and a state
+        belongs to one run at most."""
+        last = first + stride * count
+        if not any(f < last and f + st * n > first for f, st, n in self.repeats):
+            self.repeats.append((first, stride, count))
 
 
 def compile_grammar(grammar: Grammar, key: str) -> CompiledGrammar:
     """Build the NFA; GrammarError if it is malformed or too large. `key` names it in caches."""
+    with gc_paused():
+        return _compile(grammar, key)
+
+
+def _compile(grammar: Grammar, key: str) -> CompiledGrammar:
     grammar.check()
     b = _Builder(grammar)
     num_states = b.count_states()
@@ -342,4 +418,4 @@ def compile_grammar(grammar: Grammar, key: str) -> CompiledGrammar:
     for f in b.rule_final:
         is_final[f] = True
     return CompiledGrammar(key, b.eps, b.byte_edges, b.token_edges, b.call_edges, is_final, b.rule_start,
-                           b.rule_final, start_rule)
+                           b.rule_final, start_rule, b.repeats)

@@ -166,7 +166,8 @@ class PlainSplit:
 
     A configuration that every plain character moves alike (a JSON string body, counted or not) then needs no
     walk over P: tokens with an empty R are allowed by their character count alone (`by_chars`, a prefix of
-    token ids sorted by count), and only the distinct tails R, a small trie, are walked.
+    token ids sorted by count), and only the distinct tails R, a small trie, are walked. Tokens that are
+    longer runs of plain characters alone are kept by count apart (`long_plain`).
     """
 
     def __init__(self, vocab: VocabIndex) -> None:
@@ -174,6 +175,10 @@ class PlainSplit:
         prefix = re.compile(rb"(?:" + _PLAIN_CHAR + rb"){0,%d}" % PLAIN_MAX_CHARS)
         skip = vocab.special_set
         counted: list[tuple[int, int]] = []  # (chars, token) of tokens that are P alone
+        every_plain = re.compile(rb"(?:" + _PLAIN_CHAR + rb")*")
+        # tokens of more than PLAIN_MAX_CHARS plain characters and nothing else (runs of spaces, dashes, `=`),
+        # by count: in the tails' trie they made walks a hundred bytes deep into a counted string
+        self.long_plain: dict[int, list[int]] = {}
         # the tails' trie: children[node] byte -> node; tails[node] chars of P -> token ids ending there
         self.children: list[dict[int, int]] = [{}]
         self.tails: list[dict[int, list[int]] | None] = [None]
@@ -184,6 +189,9 @@ class PlainSplit:
             num_chars = len(char.findall(data, 0, head)) if head else 0
             if head == len(data):
                 counted.append((num_chars, token_id))
+                continue
+            if num_chars == PLAIN_MAX_CHARS and every_plain.fullmatch(data):
+                self.long_plain.setdefault(len(char.findall(data)), []).append(token_id)
                 continue
             node = 0
             for byte in data[head:]:
@@ -206,6 +214,27 @@ class PlainSplit:
         for n in range(1, PLAIN_MAX_CHARS + 1):
             self.num_upto[n] += self.num_upto[n - 1]
         self.all_tails = [None if g is None else [t for ids in g.values() for t in ids] for g in self.tails]
+        # counts_below[node]: bit n set when a token of n plain characters has its tail in node's subtree. A
+        # counted string's walk from D_n only enters subtrees with bit n (children are numbered after parents).
+        below = [0] * len(self.children)
+        for node in range(len(self.children) - 1, -1, -1):
+            bits = 0
+            for n in self.tails[node] or ():
+                bits |= 1 << n
+            for child in self.children[node].values():
+                bits |= below[child]
+            below[node] = bits
+        self.counts_below = below
+        # the root's (byte, child) pairs whose subtree holds a tail of n plain characters, per n
+        self.roots_by_count = [[(b, c) for b, c in self.children[0].items() if below[c] >> n & 1]
+                               for n in range(PLAIN_MAX_CHARS + 1)]
+        # per node: its subtree's node count, and the most bytes a walk goes below it
+        self.subtree_size = [1] * len(self.children)
+        self.height = [0] * len(self.children)
+        for node in range(len(self.children) - 1, 0, -1):
+            for child in self.children[node].values():
+                self.subtree_size[node] += self.subtree_size[child]
+                self.height[node] = max(self.height[node], 1 + self.height[child])
         self._masks: dict[int, torch.Tensor] = {}
         self.vocab_size = vocab.vocab_size
 

@@ -1,0 +1,128 @@
+"""Counted repeats on the cold path: the NFA's repeat runs, and masks shared along a run (shifted walks, long
+plain runs, plain steps made by shifting) against the brute-force reference."""
+from __future__ import annotations
+
+import gc
+import pickle
+import random
+
+import pytest
+import torch
+
+from rawserve.engine.guided.automaton import DEAD
+from rawserve.engine.guided.grammar import Grammar, Repeat, alt, lit, seq
+from rawserve.engine.guided.json_schema import schema_to_grammar
+from rawserve.engine.guided.matcher import GrammarRuntime
+from rawserve.engine.guided.nfa import compile_grammar, gc_paused
+from rawserve.engine.guided.vocab import VocabIndex
+from tests.guided.test_matcher import STRING_CHAR, brute_mask, plain_vocab
+
+
+def test_repeat_runs_are_recorded_for_counted_strings_and_not_for_empty_items():
+    compiled = compile_grammar(schema_to_grammar({"type": "string", "minLength": 2, "maxLength": 30}), "s")
+    assert [count for _, _, count in compiled.repeats] == [28]  # maxLength - minLength optional copies
+    first, stride, count = compiled.repeats[0]
+    # copy i is copy 0 moved on by i strides, the same edges renumbered, but for the end of the last copy,
+    # which takes no byte (the copies' starts are their predecessors' ends)
+    for i in range(1, count):
+        for s in range(first + (i == count - 1), first + stride):
+            moved = [(lo, hi, t + i * stride) for lo, hi, t in compiled.byte_edges[s]]
+            assert compiled.byte_edges[s + i * stride] == moved, (i, s)
+    assert compiled.byte_edges[first + (count - 1) * stride] == []
+    empty_item = Grammar({"root": Repeat(alt(lit("a"), lit("")), 0, 10)})
+    assert compile_grammar(empty_item, "e").repeats == []  # a copy could be skipped without a byte
+    assert pickle.loads(pickle.dumps(compiled)).repeats == compiled.repeats
+
+
+def _run_vocab() -> tuple[list[bytes], set[int]]:
+    """plain_vocab plus long plain runs (more than PLAIN_MAX_CHARS characters, up to past the string's
+    bound), runs of escapes, and long runs that end in a quote or a partial character, or go on wrongly after
+    one (`"x`, an escape `\\q` that JSON has not)."""
+    tokens, specials = plain_vocab()
+    extra = [b" " * n for n in (17, 24, 33, 41, 47, 58, 70)] + [b"-" * 40, "é".encode() * 25, "中".encode() * 19]
+    extra += [b" " * 30 + b'"]', b" " * 20 + b"\\n" + b" " * 10, b"\\n" * 12, b"\\u00e9" * 5,
+              b"a" * 18 + "中".encode()[:2], b"-" * 17 + b'"', b"=" * 64, b"-" * 17 + b'"x', b" " * 18 + b"\\q"]
+    base = len(tokens) - len(specials)
+    tokens = tokens[:base] + extra + tokens[base:]
+    return tokens, {i + len(extra) for i in specials}
+
+
+@pytest.mark.parametrize("order", ["forward", "backward", "shuffled"])
+def test_masks_along_a_counted_string_equal_brute_force_at_every_place(order):
+    """Every place of a maxLength 50 string, its end included, in decode order (kept walks made at the first
+    place, reused near the end), backwards (made near the end first) and shuffled."""
+    tokens, specials = _run_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens) + 2)
+    grammar = Grammar({"root": seq(lit('["'), Repeat(STRING_CHAR, 0, 50), lit('"]'))})
+    runtime = GrammarRuntime(compile_grammar(grammar, "s50"), vocab)
+    a = runtime.automaton
+    text = ("a é中😀\\n" * 10).encode()
+    places, cid = [], a.step_bytes(a.start, b'["')
+    for ch in text.decode().replace("\\n", "\n"):  # a place per character, the escape as one
+        places.append(cid)
+        cid = a.step_bytes(cid, b"\\n" if ch == "\n" else ch.encode())
+        if cid == DEAD or len(places) > 51:
+            break
+    assert len(places) == 51  # 50 characters then the place where only `"` may follow
+    if order == "backward":
+        places.reverse()
+    elif order == "shuffled":
+        random.Random(5).shuffle(places)
+    for cid in places:
+        assert torch.equal(runtime.mask(cid).allowed(vocab.vocab_size), brute_mask(a, vocab, cid)), cid
+    assert runtime.num_walks["plain"] > 0
+
+
+def test_masks_in_an_array_of_counted_strings_equal_brute_force():
+    """Runs reached through several items and nesting (stacks differ, the same run's states recur)."""
+    tokens, specials = _run_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens) + 2)
+    grammar = schema_to_grammar({"type": "array", "maxItems": 4,
+                                 "items": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 20}},
+                                           "required": ["s"], "additionalProperties": False}})
+    runtime = GrammarRuntime(compile_grammar(grammar, "arr"), vocab)
+    a = runtime.automaton
+    rng = random.Random(11)
+    seen, frontier, checked = {a.start}, [a.start], 0
+    while frontier and checked < 90:
+        cid = frontier.pop(rng.randrange(len(frontier)))
+        mask = runtime.mask(cid).allowed(vocab.vocab_size)
+        assert torch.equal(mask, brute_mask(a, vocab, cid)), cid
+        checked += 1
+        for t in mask.nonzero().squeeze(1).tolist():
+            nxt = runtime.advance(cid, t)
+            if nxt != DEAD and nxt not in seen:
+                seen.add(nxt)
+                frontier.append(nxt)
+    assert checked == 90
+
+
+def test_gc_paused_nests_and_restores_the_collector():
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
+
+
+def test_a_tail_stepped_by_its_kept_plain_step_stops_at_a_quote_or_an_escape():
+    """Long tails whose walk goes on from a place made by shifting (never expanded): a `"` or `\\` there
+    is not a plain character, whatever the kept plain step says (nothing else here expands that place)."""
+    tokens = [bytes([b]) for b in range(256)]
+    tokens += [b"-" * 17 + b'"x', b"-" * 17 + b'"]', b"-" * 18 + b"\\q", b"-" * 18 + b"\\n", b"-" * 19]
+    vocab = VocabIndex(tokens, set(), len(tokens))
+    grammar = Grammar({"root": seq(lit('["'), Repeat(STRING_CHAR, 0, 40), lit('"]'))})
+    runtime = GrammarRuntime(compile_grammar(grammar, "s40"), vocab)
+    a = runtime.automaton
+    cid = a.step_bytes(a.start, b'["')
+    for _ in range(25):
+        assert torch.equal(runtime.mask(cid).allowed(vocab.vocab_size), brute_mask(a, vocab, cid)), cid
+        cid = a.step_bytes(cid, b"a")
