@@ -11,6 +11,14 @@ python -m bench.moe decode [--model-dir DIR] [--configs bfloat16,bfloat16+int8] 
     routers, the experts each layer ran, the LM head) against the active parameters' bytes (the same, with top_k
     experts of average size per layer). {"bench": "moe_decode", "config", "streams", "tok_s", "step_ms"} and
     {"bench": "moe_bytes", "config", "read_bytes", "active_bytes", "ratio"}.
+python -m bench.moe serve [--model-dir DIR] [--pairs bf16,int8] [--streams 1,8,32] [--llama-threads N] [--keep]
+    side by side with llama.cpp's server through HTTP: the checkpoint (written when absent, with the Qwen3 tokenizer)
+    converted to GGUF bf16 and q8_0 by llama.cpp's convert_hf_to_gguf.py, then per pair (rawserve bf16 against
+    llama-server bf16, rawserve --quantization int8 against q8_0) both servers up at once (each idle while the other
+    is measured) and the peers' loadgen.py (../shared/peers: 128-token prompts, 64 tokens, temperature 0,
+    ignore_eos, 2C requests) run against each in turn at every stream count, interleaved. {"bench": "moe_serve",
+    "pair", "streams", "rawserve_tok_s", "llama_tok_s", "ratio", "loadavg_1m_before", ...}. The checkpoint and GGUFs
+    are deleted afterwards unless --keep (about 16 GB: 6.2 GB safetensors, 6.2 GB bf16 and 3.3 GB q8_0 GGUF).
 Each config runs in a subprocess of its own, so one's memory is gone before the next loads. The machine is shared:
 figures are as loaded as it was.
 """
@@ -20,6 +28,8 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -219,9 +229,152 @@ def decode(args: argparse.Namespace) -> None:
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
+# ---- serve: side by side with llama.cpp's server ---------------------------------------------------------------------
+
+PEERS = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "peers"
+PEERS_ROOT = pathlib.Path(os.environ.get("PEERS_ROOT", pathlib.Path.home() / ".cache" / "rawserve-peers"))
+# the peers' run.sh load: the same for both servers
+LOADGEN = ["--max-tokens", "64", "--prompt-tokens", "128", "--temperature", "0", "--ignore-eos"]
+# pair -> (rawserve flags, the GGUF type llama-server gets)
+PAIRS = {"bf16": ([], "bf16"), "int8": (["--quantization", "int8"], "q8_0")}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def to_gguf(args: argparse.Namespace, model_dir: pathlib.Path, outtype: str) -> pathlib.Path:
+    """llama.cpp's converter on the checkpoint; the tokenizer's pre-tokenizer named qwen2, as the published Qwen3
+    GGUFs have it (bench.embeddings.CONVERT: the converter knows no hash for a tokenizer it has not seen)."""
+    from bench.embeddings import CONVERT
+
+    out = model_dir.parent / f"{model_dir.name}-{outtype}.gguf"
+    if not out.exists():
+        start = time.perf_counter()
+        partial = out.with_suffix(".partial")
+        subprocess.run([args.llama_python, "-c", CONVERT, str(args.llama_source), "qwen2", str(model_dir),
+                        "--outtype", outtype, "--outfile", str(partial)], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        os.replace(partial, out)
+        emit({"bench": "moe_gguf", "file": str(out), "bytes": out.stat().st_size,
+              "convert_s": round(time.perf_counter() - start, 1)})
+    return out
+
+
+class Server:
+    """One server in its own process group on a free port, up once it answers /health (the peers' bench.py's
+    check); stop() ends that group only."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_path: pathlib.Path) -> None:
+        import importlib.util
+
+        # ../shared/peers/bench.py (healthy(), peak_rss_mib()), by path: this project's own package is named bench
+        spec = importlib.util.spec_from_file_location("peers_bench", PEERS / "bench.py")
+        peers_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(peers_bench)
+        self.peers = peers_bench
+        self.name, self.port = name, port
+        self.log = open(log_path, "ab")
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        while not peers_bench.healthy(port):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}; see {log_path}")
+            if time.perf_counter() - start > 600:
+                self.stop()
+                raise RuntimeError(f"{name} did not answer /health in 600 s; see {log_path}")
+            time.sleep(1)
+        self.startup_s = round(time.perf_counter() - start, 1)
+
+    def load(self, streams: int, model: str) -> dict:
+        """The peers' loadgen.py at `streams` concurrent streams (2 x streams requests): its JSON line."""
+        cmd = [sys.executable, str(PEERS / "loadgen.py"), "--port", str(self.port), "--model", model,
+               "--concurrency", str(streams), "--label", self.name, *LOADGEN]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        lines = out.stdout.strip().splitlines()
+        if out.returncode or not lines:
+            raise RuntimeError(f"loadgen against {self.name} failed: {out.stderr[-500:]}")
+        return json.loads(lines[-1])
+
+    def rss_mib(self) -> int | None:
+        return self.peers.peak_rss_mib(self.proc.pid)
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def serve(args: argparse.Namespace) -> None:
+    from bench.checkpoints import copy_qwen3_tokenizer
+
+    model_dir = pathlib.Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        start = time.perf_counter()
+        make_checkpoint(model_dir, args.layers)
+        emit({"bench": "moe_checkpoint", "dir": str(model_dir), "layers": args.layers,
+              "write_s": round(time.perf_counter() - start, 1)})
+    if not copy_qwen3_tokenizer(model_dir):
+        raise SystemExit("serve needs the Qwen3 tokenizer (../shared/fixtures/qwen3-tokenizer)")
+    threads = str(args.llama_threads or os.cpu_count())  # run.sh's -t / -tb: every CPU
+    made = [model_dir]
+    try:
+        for pair in args.pairs:
+            flags, outtype = PAIRS[pair]
+            gguf = to_gguf(args, model_dir, outtype)
+            made.append(gguf)
+            name = f"qwen3moe-{outtype}"
+            rawserve_port, llama_port = free_port(), free_port()
+            servers = []
+            try:
+                servers.append(Server("rawserve", [
+                    sys.executable, "-m", "rawserve", "--model-dir", str(model_dir), "--served-model-name", name,
+                    "--host", "127.0.0.1", "--port", str(rawserve_port), "--dtype", "bfloat16",
+                    "--max-num-seqs", str(max(args.streams)), *flags], rawserve_port,
+                    model_dir.parent / f"rawserve-{pair}.log"))
+                slots = max(args.streams)
+                servers.append(Server("llama-server", [
+                    args.llama_server, "-m", str(gguf), "--alias", name, "--host", "127.0.0.1",
+                    "--port", str(llama_port), "-t", threads, "-tb", threads, "-np", str(slots),
+                    "-c", str(slots * 256), "-kvu", "--no-webui"], llama_port, model_dir.parent / f"llama-{pair}.log"))
+                for streams in args.streams:
+                    got, loadavg = {}, {}
+                    # one after the other, the order flipped each level so neither always runs second
+                    order = servers if streams % 2 else servers[::-1]
+                    for server in order:
+                        loadavg[server.name] = round(os.getloadavg()[0], 2)
+                        got[server.name] = server.load(streams, name)
+                    rs, ll = got["rawserve"], got["llama-server"]
+                    emit({"bench": "moe_serve", "pair": f"rawserve {pair} / llama-server {outtype}", "streams": streams,
+                          "rawserve_tok_s": rs["tok_s"], "llama_tok_s": ll["tok_s"],
+                          "ratio": round(rs["tok_s"] / ll["tok_s"], 3) if ll["tok_s"] else None,
+                          "rawserve_ttft_p50_ms": rs.get("ttft_p50_ms"), "llama_ttft_p50_ms": ll.get("ttft_p50_ms"),
+                          "rawserve_tpot_p50_ms": rs.get("tpot_p50_ms"), "llama_tpot_p50_ms": ll.get("tpot_p50_ms"),
+                          "short": [rs.get("short"), ll.get("short")], "loadavg_1m_before": loadavg,
+                          "first": order[0].name, "llama_threads": int(threads)})
+                emit({"bench": "moe_serve_servers", "pair": pair,
+                      **{f"{s.name}_startup_s": s.startup_s for s in servers},
+                      **{f"{s.name}_peak_rss_mib": s.rss_mib() for s in servers}})
+            finally:
+                for server in servers:
+                    server.stop()
+    finally:
+        if not args.keep:
+            for path in made:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("micro", "decode", "decode-one"))
+    parser.add_argument("mode", choices=("micro", "decode", "decode-one", "serve"))
     parser.add_argument("--tokens", default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--model-dir", default="/tmp/rawserve-bench-moe")
@@ -230,12 +383,24 @@ def main() -> None:
     parser.add_argument("--config", default="bfloat16")
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--pairs", default="bf16,int8", help="serve: rawserve bf16 vs GGUF bf16, int8 vs q8_0")
+    parser.add_argument("--llama-server", default=str(PEERS_ROOT / "llama.cpp" / "build" / "bin" / "llama-server"))
+    parser.add_argument("--llama-python", default=str(PEERS_ROOT / "venv" / "bin" / "python"),
+                        help="a Python with gguf, for llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--keep", action="store_true", help="serve: keep the checkpoint and GGUFs")
+    parser.add_argument("--llama-threads", type=int, default=None, help="serve: llama-server's -t/-tb (default: "
+                        "every CPU, as ../shared/peers/run.sh); rawserve keeps its own auto threads")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     args.configs = args.configs.split(",")
+    args.pairs = args.pairs.split(",")
+    args.llama_source = pathlib.Path(args.llama_server).resolve().parents[2]
     if args.mode == "micro":
         args.tokens = [int(t) for t in (args.tokens or "1,32").split(",")]
         micro(args)
+        return
+    if args.mode == "serve":
+        serve(args)
         return
     args.tokens = int(args.tokens or 16)
     (decode if args.mode == "decode" else decode_one)(args)
