@@ -224,7 +224,8 @@ def bench_embed(args, name: str, tmp: pathlib.Path) -> None:
                 usage[key] = reply["usage"]["prompt_tokens"]
             return call
 
-        for label, (count, num_tokens) in SETS.items():
+        for label in args.sets.split(","):
+            count, num_tokens = SETS[label]
             engines = {"sentence_transformers": lambda texts: reference.encode(texts, batch_size=len(texts)),
                        "server": via(server.base, "server")}
             engines.update({key: via(llama.base, key) for key, llama in llamas.items()})
@@ -303,6 +304,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bge-small,qwen3-0.6b,rerank")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sets", default="short,long", help="which text sets: short (64 x 16 tokens), long (8 x 512)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads for every engine")
     parser.add_argument("--small", action="store_true", help="tiny shapes: a smoke run")
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: compare against it")
@@ -316,6 +318,9 @@ def main() -> None:
     for name in args.models.split(","):
         if name not in (*SHAPES, "rerank"):
             parser.error(f"--models: unknown {name!r} (known: {', '.join((*SHAPES, 'rerank'))})")
+    for label in args.sets.split(","):
+        if label not in SETS:
+            parser.error(f"--sets: unknown {label!r} (known: {', '.join(SETS)})")
     log(f"load average at start: {load_average()}")
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
