@@ -224,6 +224,33 @@ def _write_vl(directory: pathlib.Path, model, tokenizer: str, seed: int, preproc
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(source / file, directory / file)
     (directory / "preprocessor_config.json").write_text(json.dumps({**TINY_PREPROCESSOR, **(preprocessor or {})}))
+    _reuse_vocab_index(directory, model.config.text_config.vocab_size)
+
+
+def _reuse_vocab_index(directory: pathlib.Path, vocab_size: int) -> None:
+    """Put the guided-decoding vocabulary index each EngineCore reads at start into the checkpoint, built once per
+    tokenizer and vocabulary size (under the temp dir, across runs): building it for the real 248k-token vocabularies
+    takes 10-20 s, and every fresh checkpoint would otherwise pay it. The file is the one the core writes itself
+    (named by the tokenizer files' hash), so what the core reads is unchanged."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from rawserve.engine.guided.vocab import is_vocab_index_cached, load_vocab_index
+
+    files = ("tokenizer.json", "tokenizer_config.json")
+    digest = hashlib.sha256(str(vocab_size).encode())
+    for name in files:
+        digest.update((directory / name).read_bytes())
+    built = pathlib.Path(tempfile.gettempdir()) / f"rawserve-test-vocab-{os.getuid()}" / digest.hexdigest()[:16]
+    if not is_vocab_index_cached(built, vocab_size):
+        built.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            shutil.copy(directory / name, built / name)
+        load_vocab_index(built, vocab_size)  # writes it beside the copied tokenizer
+    for index in built.glob(".rawserve-vocab-*.pt"):
+        shutil.copy(index, directory / index.name)
 
 
 def make_qwen35_vl_checkpoint(directory: str | pathlib.Path, *, seed: int = 0, vision: dict | None = None,

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from rawserve import __version__
-from rawserve.api.chat import render_prompt
+from rawserve.api.chat import prompt_ids, render_prompt
 from rawserve.api.protocol import (ChatRequest, DetokenizeRequest, LoadLoraAdapterRequest, TokenizeRequest,
                                    UnloadLoraAdapterRequest)
 from rawserve.api.serving import ServingContext, model_not_found
@@ -208,8 +208,12 @@ async def tokenize(ctx: ServingContext, request: Request) -> JSONResponse:
     limit = max(ctx.max_model_len, TOKENIZE_MAX_TOKENS)
     if req.messages is not None:
         chat = ChatRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-        text, _ = render_prompt(ctx, chat)
-        ids = await ctx.encode(text, add_special_tokens=False, max_tokens=limit)
+        images: list = []
+        text, _ = render_prompt(ctx, chat, images)
+        if images:  # as chat takes them: each image read and sized, its placeholder run as long as its tokens
+            _, _, ids, _ = await prompt_ids(ctx, chat)
+        else:
+            ids = await ctx.encode(text, add_special_tokens=False, max_tokens=limit)
     else:
         ids = await ctx.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=limit)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})

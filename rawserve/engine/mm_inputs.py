@@ -67,6 +67,17 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return resized_height, resized_width
 
 
+def max_resized_pixels(factor: int, min_pixels: int, max_pixels: int) -> int:
+    """The largest area smart_resize can give: max_pixels, unless a side is held at one factor (a very wide image
+    under a small max_pixels) or the round-up to min_pixels overshoots (min_pixels near max_pixels). The core
+    bounds one vision-tower forward by it."""
+    clamped = factor * max(factor, math.isqrt(MAX_ASPECT_RATIO * max_pixels) + 1)  # the short side held at factor
+    # rounding both sides up from (a, b), a * b = min_pixels: < min_pixels + factor * (a + b) + factor ** 2, and
+    # a + b is largest at the widest aspect ratio
+    spread = math.isqrt(min_pixels * (MAX_ASPECT_RATIO + 1) ** 2 // MAX_ASPECT_RATIO) + 1
+    return max(max_pixels, clamped, min_pixels + factor * spread + factor * factor)
+
+
 def image_token_count(resized_height: int, resized_width: int, patch_size: int, merge_size: int) -> int:
     """Placeholder tokens of one image: its patches, merge_size x merge_size of them to a token."""
     return (resized_height // patch_size) * (resized_width // patch_size) // (merge_size * merge_size)

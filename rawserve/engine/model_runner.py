@@ -24,6 +24,7 @@ from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
 from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import load_qwen35_model
 from rawserve.engine.models.qwen3_vl import Qwen3VLTextModel
+from rawserve.engine.multimodal.budget import VISION_PREFIX, step_bytes_with_images, vision_weight_bytes
 from rawserve.engine.multimodal.manager import MultiModalManager
 from rawserve.engine.models.moe import expert_weight_bytes
 from rawserve.engine.models.qwen3_moe import load_moe_model
@@ -128,7 +129,9 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
     mapped = mapped_embedding(model_dir, cfg, device, head_apart)
     prefix = cfg.hybrid.tensor_prefix if cfg.hybrid is not None else "model."
     set_aside = cfg.hybrid.set_aside_prefixes if cfg.hybrid is not None else ()
-    total = 0
+    if cfg.vision is not None:  # the tower loads apart (multimodal/), at `dtype` whole
+        set_aside = (*set_aside, VISION_PREFIX)
+    total = vision_weight_bytes(model_dir, dtype) if cfg.vision is not None else 0
     for file in safetensors_files(model_dir):
         for entry in read_safetensors_header(file):
             if mapped is not None and entry.name == mapped.name and entry.file == mapped.file:
@@ -271,7 +274,8 @@ class ModelRunner:
                      memory.mib(weight_bytes(config.model_dir, self.dtype, cfg, self.device, self.quant)))
         self.model.init_rope(self.max_model_len, self.device)
         # A vision-language checkpoint's tower and encoder cache (engine/multimodal); None for text-only models
-        self.multimodal = (MultiModalManager.load(config.model_dir, cfg, self.dtype, self.device)
+        self.multimodal = (MultiModalManager.load(config.model_dir, cfg, self.dtype, self.device,
+                                                  cache_bytes=config.encoder_cache_mb << 20)
                            if cfg.vision is not None else None)
         self.lora: LoraWeights | None = None
         if config.lora_enabled:
@@ -365,7 +369,16 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         rows = min(self.config.max_num_seqs, num_tokens)
         width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        return 4 * (3 * rows * cfg.vocab_size + 8 * ROW_CHUNK * cfg.vocab_size + num_tokens * width)
+        return self._with_images(4 * (3 * rows * cfg.vocab_size + 8 * ROW_CHUNK * cfg.vocab_size + num_tokens * width))
+
+    def _with_images(self, text_step: int) -> int:
+        """A step's bytes with a vision tower's share (multimodal/budget.py): its worst image, never profiled (a
+        forward over it takes minutes on a CPU), the encoder cache and image rows."""
+        cfg = self.model_config
+        if cfg.vision is None:
+            return text_step
+        return step_bytes_with_images(self.config.model_dir, cfg.vision, self.dtype, text_step,
+                                      self.config.max_num_batched_tokens, self.config.encoder_cache_mb << 20)
 
     def _profile_step(self) -> int:
         """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens
@@ -391,7 +404,7 @@ class ModelRunner:
         before = memory.rss_bytes()
         logits = self.execute(batch)
         sampler_worst_case(logits)
-        margin = max(0, memory.rss_bytes("VmHWM") - before)
+        margin = self._with_images(max(0, memory.rss_bytes("VmHWM") - before))
         del logits
         self.kv_caches = []
         self.states = []
@@ -406,6 +419,7 @@ class ModelRunner:
                 config.gpu_memory_utilization is not None or config.kv_cache_memory_gb == "auto"):
             utilization = config.gpu_memory_utilization or 0.9
             free_bytes, _ = torch.cuda.mem_get_info(self.device)  # the weights are loaded: this is what is left
+            free_bytes -= self._with_images(0)  # the tower's worst forward and the encoder cache stay outside the pool
             device_budget = (int(utilization * free_bytes), f"--gpu-memory-utilization {utilization:g} of "
                                                              f"{memory.mib(free_bytes)} free on {self.device}")
         return memory.plan_kv_cache(

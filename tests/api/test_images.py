@@ -249,6 +249,22 @@ def test_messages_image_blocks(server, images_base):
         assert body["error"]["type"] == "invalid_request_error" and param in body["error"]["message"], body
 
 
+def test_tokenize_counts_an_image_as_chat_does(server, images_base):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             image_part(data_url(png(100, 60, color=(3, 4, 5)))),
+                                             image_part(images_base + "/img.png")]}]
+    status, body = post(server, "/tokenize", {"model": MODEL, "messages": messages})
+    assert status == 200, body
+    status, answer = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": messages})
+    assert status == 200, answer
+    want = tokens_of(server, 100, 60) + tokens_of(server, 80, 40)
+    assert body["count"] == len(body["tokens"]) == answer["usage"]["prompt_tokens"]
+    assert body["tokens"].count(IMAGE_PAD) == want
+    bad = [{"role": "user", "content": [{"type": "text", "text": "x"}, image_part(data_url(b"not an image"))]}]
+    status, body = post(server, "/tokenize", {"model": MODEL, "messages": bad})
+    assert_refused(status, body, "messages.0.content.1")
+
+
 def metric(server, name: str) -> float:
     with urllib.request.urlopen(server.base + "/metrics", timeout=30) as response:
         text = response.read().decode()

@@ -30,6 +30,7 @@ class Model:
         cfg = self.hf.config
         self.image_id, self.start_id, self.end_id = cfg.image_token_id, cfg.vision_start_token_id, \
             cfg.vision_end_token_id
+        self._references: dict[tuple, list[int]] = {}  # several tests compare against the same prompt
 
     def core(self, **options) -> EngineCore:
         defaults = dict(model_dir=str(self.dir), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=512,
@@ -56,6 +57,15 @@ class Model:
         return ids, MultiModalInputs(tuple(images)), out
 
     def reference(self, ids: list[int], out, max_tokens: int = 8) -> list[int]:
+        """transformers' greedy ids, run once per (prompt, pixels) in this module: generate over the real
+        248k-token vocabulary is most of these tests' time."""
+        key = (tuple(ids), max_tokens, None if out is None else hashlib.sha256(
+            out["pixel_values"].numpy().tobytes() + out["image_grid_thw"].numpy().tobytes()).digest())
+        if key not in self._references:
+            self._references[key] = self._generate(ids, out, max_tokens)
+        return list(self._references[key])
+
+    def _generate(self, ids: list[int], out, max_tokens: int) -> list[int]:
         t = torch.tensor([ids])
         kwargs = {} if out is None else dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
                                              mm_token_type_ids=(t == self.image_id).int())
@@ -138,7 +148,7 @@ def test_preempted_image_requests_resume_with_the_ids_of_an_ample_pool(qwen3vl):
 
 
 def test_encoder_cache_hit_gives_the_output_of_a_miss(qwen35):
-    ids, features, out = qwen35.prompt([picture(90, 50, 5)], seed=5)
+    ids, features, out = qwen35.prompt([picture(90, 50, 1)], seed=1)  # test_one_and_two_images_...'s "one"
     core = qwen35.core(enable_prefix_caching=False)  # every token recomputed: only the encoder cache can help
     first, _ = run(core, [("a", ids, features)])
     before = core.stats().extra
@@ -147,6 +157,29 @@ def test_encoder_cache_hit_gives_the_output_of_a_miss(qwen35):
     assert after["mm_images_encoded"] == before["mm_images_encoded"] == 1
     assert after["mm_encoder_cache_hits"] == before["mm_encoder_cache_hits"] + 1
     assert first["a"] == second["b"] == qwen35.reference(ids, out)
+
+
+def test_encoder_cache_off_encodes_each_time_with_the_same_output(qwen35):
+    ids, features, out = qwen35.prompt([picture(120, 120, 8)], seed=8)  # as test_same_text_same_image_hits_...
+    assert features.images[0].num_tokens > 7
+    core = qwen35.core(enable_prefix_caching=False, encoder_cache_mb=0, max_num_batched_tokens=7)  # chunks split it
+    tokens, _ = run(core, [("a", ids, features), ("b", ids, features)])
+    stats = core.stats().extra
+    assert stats["mm_encoder_cache_hits"] == 0 and stats["mm_encoder_cache_bytes"] == 0
+    # each chunk that reaches the image encodes it again: more encodings than the two requests
+    assert stats["mm_images_encoded"] > 2
+    assert tokens["a"] == tokens["b"] == qwen35.reference(ids, out)
+
+
+def test_encoder_cache_mb_is_a_flag_and_an_environment_variable():
+    from rawserve.config import build_parser, configs_from_args
+
+    engine, _ = configs_from_args(build_parser(environ={"RAWSERVE_ENCODER_CACHE_MB": "0"}).parse_args([]))
+    assert engine.encoder_cache_mb == 0
+    engine, _ = configs_from_args(build_parser(environ={}).parse_args(["--encoder-cache-mb", "64"]))
+    assert engine.encoder_cache_mb == 64
+    with pytest.raises(ValueError, match="--encoder-cache-mb"):
+        EngineConfig(encoder_cache_mb=-1)
 
 
 def test_same_text_other_image_shares_only_the_blocks_before_it(model):

@@ -24,11 +24,6 @@ from rawserve.engine.step_plan import StepInput
 if TYPE_CHECKING:
     from rawserve.engine.request import Request
 
-# The encoder cache's bound. Qwen3.5-0.8B's embeddings of a 1920x1080 image (2,040 tokens x 1,024 float32) are
-# 8 MiB: this keeps a few dozen such images, a small share next to the KV cache.
-ENCODER_CACHE_BYTES = 256 << 20
-
-
 @dataclass(slots=True)
 class StepEmbeds:
     """A step's image rows: positions [3, T] for the whole batch, the flattened rows [R] that images fill, their
@@ -43,7 +38,8 @@ class StepEmbeds:
 
 class MultiModalManager:
     def __init__(self, tower: VisionTower, preprocess: PreprocessConfig, image_token_id: int,
-                 cache_bytes: int = ENCODER_CACHE_BYTES) -> None:
+                 cache_bytes: int) -> None:
+        """cache_bytes: the encoder cache's bound (--encoder-cache-mb); 0 keeps nothing."""
         self.tower = tower
         self.preprocess = preprocess
         self.image_token_id = image_token_id
@@ -55,7 +51,7 @@ class MultiModalManager:
 
     @classmethod
     def load(cls, model_dir: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-             cache_bytes: int = ENCODER_CACHE_BYTES) -> MultiModalManager:
+             cache_bytes: int) -> MultiModalManager:
         vision = cfg.vision
         preprocess = PreprocessConfig.read(model_dir, PreprocessConfig(
             patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
@@ -90,6 +86,9 @@ class MultiModalManager:
                     or image.resized_width % (p * m):
                 raise ValueError(f"features.images[{i}]: resized {image.resized_width}x{image.resized_height} must be "
                                  f"positive multiples of {p * m}")
+            if image.resized_height * image.resized_width > self.preprocess.max_patches * p * p:
+                raise ValueError(f"features.images[{i}]: resized {image.resized_width}x{image.resized_height} is "
+                                 f"larger than the image processor gives (max_pixels {self.preprocess.max_pixels})")
             rows, cols = merged_grid(image, p, m)
             if image.num_tokens != rows * cols:
                 raise ValueError(f"features.images[{i}]: {image.num_tokens} tokens for a {cols}x{rows} merged grid")
@@ -161,28 +160,50 @@ class MultiModalManager:
                 missing[key] = image
             else:
                 found[key] = entry
-        if missing:
-            started = time.perf_counter()
-            patches, grids = [], []
-            for image in missing.values():
-                pixels, (_, gh, gw) = pixel_patches(image, self.preprocess)
-                patches.append(pixels)
-                grids.append((gh, gw))
-            prepared = time.perf_counter()
-            embeds, deepstack = self.tower(torch.cat(patches), grids)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # time the tower, not its launch
-            self.preprocess_seconds += prepared - started
-            self.encoder_seconds += time.perf_counter() - started
-            self.num_images_encoded += len(missing)
-            sizes = [image.num_tokens for image in missing.values()]
-            parts = embeds.split(sizes)
-            deep_parts = [d.split(sizes) for d in deepstack]
-            for i, key in enumerate(missing):  # copies: a cached image must not hold the whole batch's tensor
-                entry = EncodedImage(parts[i].clone(), [d[i].clone() for d in deep_parts])
-                found[key] = entry
-                self.cache.put(key, entry)
+        for group in self._forward_groups(missing):
+            self._encode(group, found)
         return found
+
+    def _forward_groups(self, missing: dict[bytes, ImageInput]) -> list[dict[bytes, ImageInput]]:
+        """The misses cut into forwards of at most preprocess.max_patches patches (one largest image; check()
+        refuses larger), in order: the memory plan (multimodal/budget.py) counts one such forward, not a step's
+        worth of images at once."""
+        groups: list[dict[bytes, ImageInput]] = []
+        room = 0
+        per_token = self.preprocess.merge_size ** 2
+        for key, image in missing.items():
+            patches = image.num_tokens * per_token
+            if not groups or patches > room:
+                groups.append({})
+                room = self.preprocess.max_patches
+            groups[-1][key] = image
+            room -= patches
+        return groups
+
+    def _encode(self, images: dict[bytes, ImageInput], found: dict[bytes, EncodedImage]) -> None:
+        """One tower forward over `images`; each one's output into `found` and the cache."""
+        started = time.perf_counter()
+        patches, grids = [], []
+        for image in images.values():
+            pixels, (_, gh, gw) = pixel_patches(image, self.preprocess)
+            patches.append(pixels)
+            grids.append((gh, gw))
+        patches = torch.cat(patches) if len(patches) > 1 else patches[0]  # the parts freed before the forward
+        prepared = time.perf_counter()
+        embeds, deepstack = self.tower(patches, grids)
+        del patches
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # time the tower, not its launch
+        self.preprocess_seconds += prepared - started
+        self.encoder_seconds += time.perf_counter() - started
+        self.num_images_encoded += len(images)
+        sizes = [image.num_tokens for image in images.values()]
+        parts = embeds.split(sizes)
+        deep_parts = [d.split(sizes) for d in deepstack]
+        for i, key in enumerate(images):  # copies: a cached image must not hold the whole batch's tensor
+            entry = EncodedImage(parts[i].clone(), [d[i].clone() for d in deep_parts])
+            found[key] = entry
+            self.cache.put(key, entry)
 
     def stats(self) -> dict[str, float]:
         """EngineStats.extra's multimodal counters (the /metrics encoder time and cache hits)."""

@@ -12,16 +12,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rawserve.engine.mm_inputs import ImageInput
+from rawserve.engine.mm_inputs import ImageInput, max_resized_pixels
 
 # OpenAI CLIP's, what transformers' Qwen2-VL processor uses when preprocessor_config.json names none.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Qwen2-VL's image processor's pixel bounds when preprocessor_config.json names none (as api/media/processor.py)
+_MIN_PIXELS, _MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 
 
 @dataclass(frozen=True, slots=True)
 class PreprocessConfig:
-    """preprocessor_config.json's fields that shape the pixels (min/max pixels are the server's)."""
+    """preprocessor_config.json's fields that shape the pixels. The server picks each image's size within
+    min/max pixels; the core reads them only to bound what one image may cost it (max_patches)."""
 
     patch_size: int = 16
     temporal_patch_size: int = 2
@@ -29,6 +32,14 @@ class PreprocessConfig:
     rescale_factor: float = 1 / 255
     image_mean: tuple[float, float, float] = _CLIP_MEAN
     image_std: tuple[float, float, float] = _CLIP_STD
+    min_pixels: int = _MIN_PIXELS
+    max_pixels: int = _MAX_PIXELS
+
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image the processor's resize can give (the vision tower's worst forward)."""
+        factor = self.patch_size * self.merge_size
+        return max_resized_pixels(factor, self.min_pixels, self.max_pixels) // self.patch_size ** 2
 
     @property
     def patch_dim(self) -> int:
@@ -47,6 +58,12 @@ class PreprocessConfig:
         fields = {}
         for name in ("patch_size", "temporal_patch_size", "merge_size"):
             value = raw.get(name, getattr(defaults, name))
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{path}: field {name!r} must be a positive integer, got {value!r}")
+            fields[name] = value
+        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+        for name, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            value = raw.get(name, size.get(edge, getattr(defaults, name)))  # min/max_pixels win, as in transformers
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{path}: field {name!r} must be a positive integer, got {value!r}")
             fields[name] = value

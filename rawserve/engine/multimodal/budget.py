@@ -1,0 +1,65 @@
+"""What a vision tower adds to the core's memory plan: its weights (model.visual.*, which the text loader sets
+aside) and the working memory of its worst forward, the largest image the checkpoint's processor can give (the
+manager refuses larger ones and never puts more patches than that in one forward). Headers and shapes only."""
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from rawserve.engine.loader import VisionConfig, read_safetensors_header, safetensors_files
+from rawserve.engine.multimodal.preprocess import PreprocessConfig
+
+VISION_PREFIX = "model.visual."
+
+
+def vision_weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype) -> int:
+    """Bytes the tower's weights take once loaded at `dtype` (load_vision_tower casts every one; a CPU's
+    pre-packed matmul weights replace the plain ones, so they count once)."""
+    size = torch.finfo(dtype).bits // 8
+    return sum(entry.num_bytes // entry.dtype.itemsize * size for file in safetensors_files(model_dir)
+               for entry in read_safetensors_header(file)
+               if entry.name.startswith(VISION_PREFIX) and entry.dtype.is_floating_point)
+
+
+def tower_step_bytes(vision: VisionConfig, preprocess: PreprocessConfig, dtype: torch.dtype) -> int:
+    """Working memory of one forward over the largest image (preprocess.max_patches patches), per patch:
+    - preprocessing: the resized uint8 pixels, then in float32 the pixels, three normalising temporaries and the
+      patches (twice the pixels: each frame twice in time), which stay through the forward; the rotary tables
+      (cos, sin [head_dim]) and the position tables (3 of hidden, float32). The decoded image's own copy (3 bytes
+      a pixel before the resize) is bounded by the server's --max-image-pixels, which the core does not see;
+    - one block's allocations, all of them, as if none reused another's freed memory: the heap a CPU core keeps
+      (process_stats.keep_freed_heap) does not reliably hand a freed piece to the next allocation within a
+      block. Of hidden width: the normed inputs (2), qkv (3), the rotated q and k (2), the copies attention may
+      make of q, k, v (3), its output and reshaped output (2), the projection, the MLP's output, the two
+      residual sums (4); the rotation's float32 temporaries (4 each for q and k); fc1 before and after the
+      activation (2 of intermediate);
+    - per merged token (4 patches), the merger's output and each DeepStack merger's.
+    Attention runs fused (torch's flash kernels; models/vision.py passes 4-D inputs for it), so nothing grows with
+    patches squared. Measured (peak RSS rise, Qwen3.5-0.8B's tower, CPU) against this: float32 718 MiB / 1,004 at
+    1920x1080, 1,266 / 1,771 at 2560x1440, 217 / 378 at 1024x768; bfloat16 405 / 713 at 1920x1080."""
+    n = preprocess.max_patches
+    e = torch.finfo(dtype).bits // 8
+    hidden, inter = vision.hidden_size, vision.intermediate_size
+    head_dim = hidden // vision.num_heads
+    held = preprocess.patch_dim + 4 * (3 * preprocess.patch_dim + 2 * head_dim + 3 * hidden)
+    block = 16 * hidden * e + 8 * hidden * 4 + 2 * inter * e
+    merged = (n // preprocess.merge_size ** 2) * vision.out_hidden_size * e * (1 + len(vision.deepstack_indexes))
+    return n * (held + block) + merged
+
+
+def image_rows_bytes(vision: VisionConfig, num_tokens: int, dtype: torch.dtype) -> int:
+    """The encoded rows a step holds while the text forward runs: `num_tokens` image tokens' embeddings and
+    DeepStack features (the whole image's: a chunk takes its slice of the cached entry)."""
+    return num_tokens * vision.out_hidden_size * (torch.finfo(dtype).bits // 8) * (1 + len(vision.deepstack_indexes))
+
+
+def step_bytes_with_images(model_dir: str | pathlib.Path, vision: VisionConfig, dtype: torch.dtype, text_step: int,
+                           num_batched_tokens: int, cache_bytes: int) -> int:
+    """A step's working memory for a vision checkpoint, from its text step's (estimated or measured): the encoder
+    cache, full; the larger of the tower's worst forward and the text step; and the image rows either holds (the
+    step's image tokens, and a worst image's fresh encoding, kept whole when the cache cannot take it)."""
+    preprocess = PreprocessConfig.read(model_dir)
+    worst_tokens = preprocess.max_patches // preprocess.merge_size ** 2
+    rows = image_rows_bytes(vision, num_batched_tokens + worst_tokens, dtype)
+    return cache_bytes + max(tower_step_bytes(vision, preprocess, dtype), text_step) + rows

@@ -1,0 +1,144 @@
+"""A vision tower in the core's memory plan: its weights count in the up-front check, its worst forward (the
+largest image the processor gives) bounds the step's working memory and is measured to stay under that bound,
+the resize's largest area is never exceeded, and the manager neither takes a larger image nor puts more than
+one such image's patches in one forward."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import torch
+
+from rawserve.config import EngineConfig
+from rawserve.engine import memory
+from rawserve.engine.core import EngineCore
+from rawserve.engine.loader import VisionConfig, read_model_config
+from rawserve.engine.mm_inputs import (ImageInput, ImageTooOdd, MultiModalInputs, image_token_count,
+                                       max_resized_pixels, smart_resize)
+from rawserve.engine.model_runner import weight_bytes
+from rawserve.engine.models.vision import VisionTower, load_vision_tower
+from rawserve.engine.multimodal.budget import tower_step_bytes, vision_weight_bytes
+from rawserve.engine.multimodal.manager import MultiModalManager
+from rawserve.engine.multimodal.prefix_keys import image_key
+from rawserve.engine.multimodal.preprocess import PreprocessConfig, pixel_patches
+from rawserve.process_stats import keep_freed_heap
+from tests.checkpoints import TINY_PREPROCESSOR, make_qwen35_vl_checkpoint
+
+TOWER = VisionConfig(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                     temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16,
+                     hidden_act="gelu_pytorch_tanh", rope_theta=10000.0, image_token_id=7)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_qwen35_vl_checkpoint(tmp_path_factory.mktemp("qwen35vl"))
+
+
+def image(width: int, height: int, pre: PreprocessConfig, offset: int = 0) -> ImageInput:
+    rgb = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(width)).numpy().tobytes()
+    factor = pre.patch_size * pre.merge_size
+    rh, rw = smart_resize(height, width, factor, pre.min_pixels, pre.max_pixels)
+    return ImageInput(hashlib.sha256(rgb).digest(), width, height, rgb, rh, rw, offset,
+                      image_token_count(rh, rw, pre.patch_size, pre.merge_size))
+
+
+def random_tower() -> VisionTower:
+    tower = VisionTower(TOWER, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for param in tower.parameters():
+            param.copy_(0.02 * torch.randn(param.shape, generator=torch.Generator().manual_seed(0)))
+    return tower.eval()
+
+
+@pytest.mark.parametrize("factor,min_pixels,max_pixels", [
+    (32, 64 * 64, 192 * 192),  # the tests' processor: very wide images hold a side at one factor, past max_pixels
+    (32, 65536, 16777216),  # the published Qwen3.5 / Qwen3-VL processor
+    (28, 56 * 56, 28 * 28 * 1280),  # Qwen2-VL's defaults
+    (32, 36000, 36864)])  # min_pixels near max_pixels: the round-up overshoots
+def test_smart_resize_never_passes_the_largest_area(factor, min_pixels, max_pixels):
+    bound = max_resized_pixels(factor, min_pixels, max_pixels)
+    worst = 0
+    for height in [*range(1, 300, 3), 997, 4000, 9000]:
+        for width in {max(1, height // 200), height // 7 + 1, height, height * 3, height * 200, height * 37 // 5}:
+            try:
+                rh, rw = smart_resize(height, width, factor, min_pixels, max_pixels)
+            except ImageTooOdd:
+                continue
+            worst = max(worst, rh * rw)
+    assert 0 < worst <= bound
+
+
+def test_weight_bytes_counts_the_vision_tower(checkpoint):
+    cfg = read_model_config(checkpoint)
+    tower = load_vision_tower(checkpoint, cfg, torch.float32, torch.device("cpu"))
+    loaded = sum(t.numel() * t.element_size() for t in [*tower.parameters(), *(
+        w for module in tower.modules() for w in getattr(module, "packed", {}).values())])
+    assert vision_weight_bytes(checkpoint, torch.float32) == loaded
+    text_only = weight_bytes(checkpoint, torch.float32, dataclasses.replace(cfg, vision=None), torch.device("cpu"))
+    assert weight_bytes(checkpoint, torch.float32, cfg, torch.device("cpu")) == text_only + loaded
+
+
+def test_the_worst_image_is_in_the_up_front_check(checkpoint, monkeypatch):
+    """A room that holds the weights and a text step but not the tower's worst image is refused at startup."""
+    pre = PreprocessConfig.read(checkpoint)
+    cfg = read_model_config(checkpoint)
+    small = tower_step_bytes(cfg.vision, pre, torch.float32)
+    large_pre = {**TINY_PREPROCESSOR, "size": {"shortest_edge": 64 * 64, "longest_edge": 4096 * 4096}}
+    large = tower_step_bytes(cfg.vision, dataclasses.replace(pre, max_pixels=4096 * 4096), torch.float32)
+    assert large > small + (512 << 20)
+    monkeypatch.setattr(memory, "headroom", lambda: memory.Headroom(large, "test's room"))
+    config = dict(model_dir=str(checkpoint), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4,
+                  max_num_batched_tokens=256, encoder_cache_mb=0)
+    EngineCore(EngineConfig(**config))  # the tests' small images: it starts, the KV pool sized in what is left
+    (checkpoint / "preprocessor_config.json").write_text(json.dumps(large_pre))
+    try:
+        with pytest.raises(ValueError, match="not enough memory for the weights"):
+            EngineCore(EngineConfig(**config))
+    finally:
+        (checkpoint / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR))
+
+
+def test_a_forward_over_the_largest_image_stays_under_its_estimate():
+    """Peak RSS of preprocessing and encoding the largest image (1920x1080 here) against tower_step_bytes, with
+    the heap kept as the core keeps it. The estimate leaves out nothing that grows with the image, so a change
+    that holds more (attention falling back to a [heads, patches, patches] score matrix: 530 MB here) fails."""
+    keep_freed_heap()
+    pre = dataclasses.replace(PreprocessConfig(), min_pixels=65536, max_pixels=1920 * 1088)
+    tower = random_tower()
+    picture = image(1920, 1080, pre)
+    assert picture.resized_width * picture.resized_height // 256 == pre.max_patches  # the largest image
+    with torch.inference_mode():
+        small = image(64, 64, pre)
+        patches, (_, gh, gw) = pixel_patches(small, pre)
+        tower(patches, [(gh, gw)])  # warm: kernels and thread pools outside the measure
+    if not memory.reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs: the peak cannot be measured")
+    before = memory.rss_bytes()
+    with torch.inference_mode():
+        patches, (_, gh, gw) = pixel_patches(picture, pre)
+        tower(patches, [(gh, gw)])
+    peak = memory.rss_bytes("VmHWM") - before
+    assert 0 < peak <= tower_step_bytes(TOWER, pre, torch.float32)
+
+
+def test_the_manager_refuses_a_larger_image_and_encodes_at_most_one_largest_per_forward():
+    pre = dataclasses.replace(PreprocessConfig(), min_pixels=64 * 64, max_pixels=512 * 512)
+    tower = random_tower()
+    manager = MultiModalManager(tower, pre, TOWER.image_token_id, cache_bytes=0)
+    a, b, c = image(500, 400, pre), image(400, 500, pre, offset=400), image(64, 64, pre, offset=800)
+    per_image = a.num_tokens * 4
+    assert per_image <= pre.max_patches < 2 * per_image
+    lengths = []
+    forward = tower.forward
+    tower.forward = lambda patches, grids: (lengths.append(len(patches)), forward(patches, grids))[1]
+    found = manager._encoded([a, b, c], set())
+    assert len(lengths) == 2 and max(lengths) <= pre.max_patches  # a alone, then b with the small c
+    assert [found[image_key(x)].embeds.shape[0] for x in (a, b, c)] == [a.num_tokens, b.num_tokens, c.num_tokens]
+    huge = dataclasses.replace(a, resized_width=1024, resized_height=1024, num_tokens=1024)
+    ids = [TOWER.image_token_id] * 1024
+    with pytest.raises(ValueError, match="larger than the image processor gives"):
+        manager.check(ids, MultiModalInputs((huge,)))
+    manager.check(ids[:a.num_tokens], MultiModalInputs((dataclasses.replace(a, offset=0),)))
