@@ -7,10 +7,11 @@ python -m bench.moe micro [--tokens 1,32] [--rounds 10]
     weights then one bmm (the tiny-batch alternative). {"bench": "moe_micro", "tokens", "way", "ms"}
 python -m bench.moe decode [--model-dir DIR] [--configs bfloat16,bfloat16+int8] [--streams 1,8,32] [--tokens 16]
     writes the random checkpoint first when DIR holds none (bf16 safetensors, one shard per layer); then per config
-    decode tok/s through EngineCore, and at one stream the bytes of weights the step's matmuls read (attention,
-    routers, the experts each layer ran, the LM head) against the active parameters' bytes (the same, with top_k
-    experts of average size per layer). {"bench": "moe_decode", "config", "streams", "tok_s", "step_ms"} and
-    {"bench": "moe_bytes", "config", "read_bytes", "active_bytes", "ratio"}.
+    decode tok/s through EngineCore, its threads sized as a served core's (--threads auto: the ThreadGovernor, which
+    a busy box takes down to 1; or a count), and at one stream the bytes of weights the step's matmuls read
+    (attention, routers, the experts each layer ran, the LM head) against the active parameters' bytes (the same,
+    with top_k experts of average size per layer). {"bench": "moe_decode", "config", "streams", "tok_s", "step_ms",
+    "threads", "loadavg_1m"} and {"bench": "moe_bytes", "config", "read_bytes", "active_bytes", "ratio"}.
 python -m bench.moe serve [--model-dir DIR] [--pairs bf16,int8] [--streams 1,8,32] [--llama-threads N] [--keep]
     side by side with llama.cpp's server through HTTP: the checkpoint (written when absent, with the Qwen3 tokenizer)
     converted to GGUF bf16 and q8_0 by llama.cpp's convert_hf_to_gguf.py, then per pair (rawserve bf16 against
@@ -157,14 +158,16 @@ def make_checkpoint(model_dir: pathlib.Path, num_layers: int) -> None:
 def decode_one(args: argparse.Namespace) -> None:
     """One config in this process: tok/s per stream count, then the one-stream step's bytes."""
     from rawserve.config import EngineConfig
-    from rawserve.engine.core import EngineCore
+    from rawserve.engine.core import make_engine_core
     from rawserve.engine.models import moe
     from rawserve.engine.types import SamplingParams
 
     dtype, _, scheme = args.config.partition("+")
-    core = EngineCore(EngineConfig(model_dir=str(args.model_dir), device="cpu", dtype=dtype,
-                                   quantization=scheme or "none", max_num_seqs=max(args.streams),
-                                   max_num_batched_tokens=2048, max_model_len=1024, num_kv_blocks=1024))
+    # as a served core sizes its threads: auto brings the ThreadGovernor, which a busy box takes down to 1
+    core = make_engine_core(EngineConfig(model_dir=str(args.model_dir), device="cpu", dtype=dtype,
+                                         quantization=scheme or "none", max_num_seqs=max(args.streams),
+                                         max_num_batched_tokens=2048, max_model_len=1024, num_kv_blocks=1024,
+                                         num_threads=args.threads))
     model = core.runner.model
     for streams in args.streams:
         for s in range(streams):
@@ -177,8 +180,10 @@ def decode_one(args: argparse.Namespace) -> None:
             core.step()
             steps += 1
         elapsed = time.perf_counter() - start
+        # the threads it ran with: a served core's governor may have run fewer (the serve rows say how many)
         emit({"bench": "moe_decode", "config": args.config, "streams": streams,
-              "tok_s": round(streams * steps / elapsed, 2), "step_ms": round(1000 * elapsed / steps, 1)})
+              "tok_s": round(streams * steps / elapsed, 2), "step_ms": round(1000 * elapsed / steps, 1),
+              "threads": torch.get_num_threads(), "loadavg_1m": round(os.getloadavg()[0], 2)})
     # the one-stream step's weight bytes, from what the matmuls are handed
     read = {"experts": 0}
     expert = moe.Experts.expert
@@ -225,7 +230,7 @@ def decode(args: argparse.Namespace) -> None:
     for config in args.configs:
         cmd = [sys.executable, "-m", "bench.moe", "decode-one", "--model-dir", str(model_dir), "--config", config,
                "--streams", ",".join(map(str, args.streams)), "--tokens", str(args.tokens),
-               "--prompt", str(args.prompt)]
+               "--prompt", str(args.prompt), "--threads", str(args.threads)]
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
@@ -298,6 +303,21 @@ class Server:
             raise RuntimeError(f"loadgen against {self.name} failed: {out.stderr[-500:]}")
         return json.loads(lines[-1])
 
+    def engine_threads(self) -> int | None:
+        """rawserve's engine_threads gauge now (its ThreadGovernor's count after the load); None for a server
+        without it."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith("rawserve:engine_threads"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return None
+
     def rss_mib(self) -> int | None:
         return self.peers.peak_rss_mib(self.proc.pid)
 
@@ -346,12 +366,14 @@ def serve(args: argparse.Namespace) -> None:
                     "--port", str(llama_port), "-t", threads, "-tb", threads, "-np", str(slots),
                     "-c", str(slots * 256), "-kvu", "--no-webui"], llama_port, model_dir.parent / f"llama-{pair}.log"))
                 for streams in args.streams:
-                    got, loadavg = {}, {}
+                    got, loadavg, threads_after = {}, {}, None
                     # one after the other, the order flipped each level so neither always runs second
                     order = servers if streams % 2 else servers[::-1]
                     for server in order:
                         loadavg[server.name] = round(os.getloadavg()[0], 2)
                         got[server.name] = server.load(streams, name)
+                        if server.name == "rawserve":
+                            threads_after = server.engine_threads()
                     rs, ll = got["rawserve"], got["llama-server"]
                     emit({"bench": "moe_serve", "pair": f"rawserve {pair} / llama-server {outtype}", "streams": streams,
                           "rawserve_tok_s": rs["tok_s"], "llama_tok_s": ll["tok_s"],
@@ -359,7 +381,8 @@ def serve(args: argparse.Namespace) -> None:
                           "rawserve_ttft_p50_ms": rs.get("ttft_p50_ms"), "llama_ttft_p50_ms": ll.get("ttft_p50_ms"),
                           "rawserve_tpot_p50_ms": rs.get("tpot_p50_ms"), "llama_tpot_p50_ms": ll.get("tpot_p50_ms"),
                           "short": [rs.get("short"), ll.get("short")], "loadavg_1m_before": loadavg,
-                          "first": order[0].name, "llama_threads": int(threads)})
+                          "first": order[0].name, "llama_threads": int(threads),
+                          "rawserve_engine_threads_after": threads_after})
                 emit({"bench": "moe_serve_servers", "pair": pair,
                       **{f"{s.name}_startup_s": s.startup_s for s in servers},
                       **{f"{s.name}_peak_rss_mib": s.rss_mib() for s in servers}})
@@ -388,6 +411,8 @@ def main() -> None:
     parser.add_argument("--llama-python", default=str(PEERS_ROOT / "venv" / "bin" / "python"),
                         help="a Python with gguf, for llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--keep", action="store_true", help="serve: keep the checkpoint and GGUFs")
+    parser.add_argument("--threads", default="auto", help="decode: the engine's threads (auto, as served, or a "
+                        "count: 1 is what a served core's governor runs beside busy neighbours)")
     parser.add_argument("--llama-threads", type=int, default=None, help="serve: llama-server's -t/-tb (default: "
                         "every CPU, as ../shared/peers/run.sh); rawserve keeps its own auto threads")
     args = parser.parse_args()
