@@ -492,6 +492,24 @@ Target = tuple[torch.Tensor, int, int] | Callable[["TensorEntry", object], None]
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def embedding_name(cfg: ModelConfig) -> str:
+    return f"{cfg.hybrid.tensor_prefix}embed_tokens.weight" if cfg.hybrid is not None else "model.embed_tokens.weight"
+
+
+def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device, packed: bool
+                     ) -> TensorEntry | None:
+    """The embedding's checkpoint entry when the model serves it from the file (DecoderModel.map_embedding): on
+    a CPU, when no matmul reads it (the head untied, or packed) and the file allows it; else None."""
+    if device.type != "cpu" or (cfg.tie_word_embeddings and not packed):
+        return None
+    for file in safetensors_files(model_dir):
+        for entry in read_safetensors_header(file):
+            if entry.name == embedding_name(cfg):
+                usable = can_map(entry) and entry.shape == (cfg.vocab_size, cfg.hidden_size)
+                return entry if usable and entry.dtype.is_floating_point else None
+    return None
+
+
 def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapped: frozenset[str] = frozenset(),
                  on_filled: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
                  set_aside: tuple[str, ...] = ()) -> None:

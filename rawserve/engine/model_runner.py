@@ -17,7 +17,7 @@ from rawserve.engine.attention.metadata import AttentionMetadata, decode_splits
 from rawserve.engine.attention.torch_backend import read_dtype
 from rawserve.engine.cuda_graphs import DecodeGraphs
 from rawserve.engine.dtype_probe import DtypeChoice, probe_cpu_dtype
-from rawserve.engine.loader import ModelConfig, TensorEntry, can_map, load_weights, read_model_config, \
+from rawserve.engine.loader import ModelConfig, embedding_name, load_weights, mapped_embedding, read_model_config, \
     read_safetensors_header, safetensors_files
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
@@ -103,20 +103,6 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     return model.eval()
 
 
-def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device, packed: bool
-                     ) -> TensorEntry | None:
-    """The embedding's checkpoint entry when the model serves it from the file (DecoderModel.map_embedding): on
-    a CPU, when no matmul reads it (the head untied, or packed) and the file allows it; else None."""
-    if device.type != "cpu" or (cfg.tie_word_embeddings and not packed):
-        return None
-    for file in safetensors_files(model_dir):
-        for entry in read_safetensors_header(file):
-            if entry.name == _embedding_name(cfg):
-                usable = can_map(entry) and entry.shape == (cfg.vocab_size, cfg.hidden_size)
-                return entry if usable and entry.dtype.is_floating_point else None
-    return None
-
-
 def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelConfig, device: torch.device,
                  quant: QuantPlan | None = None) -> int:
     """Bytes the loaded weights take at `dtype`, from the safetensors headers (nothing read but them): a CPU's
@@ -144,7 +130,7 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
                 continue  # counted below, fused and quantized
             if entry.dtype.is_floating_point:
                 # DecoderModel.narrow_embedding: an embedding no matmul reads stays at the checkpoint's dtype
-                narrow = entry.name == _embedding_name(cfg) and (head_apart or not cfg.tie_word_embeddings)
+                narrow = entry.name == embedding_name(cfg) and (head_apart or not cfg.tie_word_embeddings)
                 total += entry.num_bytes // entry.dtype.itemsize * (min(size, entry.dtype.itemsize) if narrow else size)
     if quant is not None:
         for n, k in _linear_shapes(cfg):
@@ -155,10 +141,6 @@ def weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype, cfg: ModelCo
     if cfg.moe is not None:
         total += expert_weight_bytes(cfg, size, quant)
     return total
-
-
-def _embedding_name(cfg: ModelConfig) -> str:
-    return f"{cfg.hybrid.tensor_prefix}embed_tokens.weight" if cfg.hybrid is not None else "model.embed_tokens.weight"
 
 
 def _is_linear(name: str, prefix: str = "model.") -> bool:

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.loader import ModelConfig, Target, can_map, load_weights, read_model_config, \
-    read_safetensors_header, safetensors_files
+from rawserve.engine.loader import ModelConfig, Target, load_weights, mapped_embedding, read_model_config
 from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, apply_rope, \
     cpu_prepack_supported
@@ -322,17 +321,12 @@ def load_qwen35_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device:
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
     targets = model.targets()
     head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
-    embed_name = f"{cfg.hybrid.tensor_prefix}embed_tokens.weight"
-    mapped: frozenset[str] = frozenset()
-    if device.type == "cpu" and (head_apart or not cfg.tie_word_embeddings):
-        entry = next((e for f in safetensors_files(model_dir) for e in read_safetensors_header(f)
-                      if e.name == embed_name), None)
-        if entry is not None and can_map(entry) and entry.dtype.is_floating_point \
-                and entry.shape == (cfg.vocab_size, cfg.hidden_size):
-            model.map_embedding(entry)
-            del targets[embed_name]
-            mapped = frozenset([embed_name])
-    if not mapped:
+    embedding = mapped_embedding(model_dir, cfg, device, head_apart)
+    mapped = frozenset([embedding.name]) if embedding is not None else frozenset()
+    if embedding is not None:
+        model.map_embedding(embedding)
+        del targets[embedding.name]
+    else:
         model.narrow_embedding(head_packed=head_apart)
     load_weights(model_dir, targets, mapped, on_filled, set_aside=model.set_aside)
     if quant is not None:
