@@ -283,26 +283,31 @@ class EngineCore:
         # around it are fatal (see the class).
         failures: list[tuple[Request, str, Exception]] = []
         logits, reqs = self._process_logits(plan, logits, failures)  # [len(reqs), V], row i for reqs[i]
-        tokens: list[int] = []
-        logprobs = None
-        if reqs:
-            sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
-            tokens, logprobs = sampled.token_ids, sampled.logprobs
-            if sampled.failed:
-                failures += [(reqs[i], "sampling", error) for i, error in sampled.failed.items()]
-                ok = [i for i in range(len(reqs)) if i not in sampled.failed]
-                reqs, tokens = [reqs[i] for i in ok], [tokens[i] for i in ok]
-                logprobs = [logprobs[i] for i in ok] if logprobs is not None else None
+        reqs, tokens, logprobs = self._sample(logits, reqs, failures)
         del logits  # a view of the runner's reused buffer, which an idle engine gives back
         outputs = scored + self._update(reqs, tokens, logprobs, failures)
         outputs += [self._fail_alone(req, stage, error) for req, stage, error in failures]
         self._release_if_idle()
         return outputs
 
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], failures: list
+                ) -> tuple[list[Request], list[int], list | None]:
+        """Each row's token (row i for reqs[i]) -> (the requests that drew one, their tokens, logprobs or None);
+        a row whose sampling failed is left out and added to `failures`."""
+        if not reqs:
+            return reqs, [], None
+        sampled = self.sampler.sample(logits, reqs, may_overwrite=True)
+        tokens, logprobs = sampled.token_ids, sampled.logprobs
+        if sampled.failed:
+            failures += [(reqs[i], "sampling", error) for i, error in sampled.failed.items()]
+            ok = [i for i in range(len(reqs)) if i not in sampled.failed]
+            reqs, tokens = [reqs[i] for i in ok], [tokens[i] for i in ok]
+            logprobs = [logprobs[i] for i in ok] if logprobs is not None else None
+        return reqs, tokens, logprobs
+
     @property
     def _verify_hooks(self) -> VerifyHooks:
-        return VerifyHooks(self._mask_rows, lambda logits, reqs: self.sampler.sample(logits, reqs, may_overwrite=True),
-                           self._update)
+        return VerifyHooks(self._mask_rows, self._sample, self._update)
 
     def _fail_alone(self, req: Request, stage: str, error: Exception) -> RequestOutput:
         """A fault in one request's `stage` (logits processing, sampling, grammar): that request ends with

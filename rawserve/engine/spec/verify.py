@@ -47,7 +47,8 @@ class RowState:
 @dataclass(slots=True)
 class VerifyHooks:
     """EngineCore's per-row steps, which verification runs once per verified position:
-    mask(logits [R, V], reqs, failures) -> (rows left, their reqs); sample(logits, reqs) -> SampleOutput;
+    mask(logits [R, V], reqs, failures) -> (rows left, their reqs); sample(logits, reqs, failures) -> (reqs that
+    drew a token, tokens, logprobs or None);
     update(reqs, tokens, logprobs, failures) -> one RequestOutput per request that took its token."""
     mask: Callable
     sample: Callable
@@ -244,13 +245,7 @@ class SpecDecoder:
         x, reqs = hooks.mask(logits.index_select(0, rows), [s.req for s in spans], failures)
         if not reqs:
             return []
-        sampled = hooks.sample(x, reqs)
-        tokens, logprobs = sampled.token_ids, sampled.logprobs
-        if sampled.failed:
-            failures += [(reqs[i], "sampling", error) for i, error in sampled.failed.items()]
-            ok = [i for i in range(len(reqs)) if i not in sampled.failed]
-            reqs, tokens = [reqs[i] for i in ok], [tokens[i] for i in ok]
-            logprobs = [logprobs[i] for i in ok] if logprobs is not None else None
+        reqs, tokens, logprobs = hooks.sample(x, reqs, failures)
         return self._taken(spans, hooks.update(reqs, tokens, logprobs, failures))
 
     def _settle(self, span: SpecSpan, num_accepted: int) -> None:
