@@ -143,6 +143,29 @@ def qwen_like_vocab(num_merges: int = QWEN_REGULAR_TOKENS - 256) -> tuple[list[s
     raise ValueError(f"cannot reach {num_merges} merges")
 
 
+def write_bpe_tokenizer_json(directory: pathlib.Path, vocab: list[str], merges: list, added: list[dict],
+                             split_regex: str, normalizer: dict | None) -> None:
+    """A byte-level BPE tokenizer.json: the split regex, then byte-level, as Qwen's and gpt-oss's are built."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    data = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": split_regex}, "behavior": "Isolated", "invert": False},
+            byte_level]},
+        "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {token: i for i, token in enumerate(vocab)}, "merges": [list(m) for m in merges]},
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+def added_tokens_decoder(added: list[dict]) -> dict:
+    """tokenizer_config.json's added_tokens_decoder for tokenizer.json's added_tokens."""
+    return {str(entry["id"]): {k: entry[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
+                                                     "special")} for entry in added}
+
+
 def write_qwen_like_tokenizer(directory: str | pathlib.Path, chat_template: str | None = None) -> pathlib.Path:
     """tokenizer.json and tokenizer_config.json of a Qwen3-shaped tokenizer built here, with no trained data
     beyond rawserve's corpus: Qwen2's pipeline (NFC, Qwen2's split, byte-level BPE), 151,643 regular tokens and
@@ -156,21 +179,8 @@ def write_qwen_like_tokenizer(directory: str | pathlib.Path, chat_template: str 
     added = [{"id": QWEN_REGULAR_TOKENS + i, "content": text, "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": special}
              for i, (text, special) in enumerate(QWEN_ADDED_TOKENS)]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    data = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _QWEN_SPLIT}, "behavior": "Isolated", "invert": False},
-            byte_level]},
-        "post_processor": byte_level, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {token: i for i, token in enumerate(vocab)}, "merges": [list(m) for m in merges]},
-    }
-    (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    decoder = {str(entry["id"]): {k: entry[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
-                                                        "special")} for entry in added}
+    write_bpe_tokenizer_json(directory, vocab, merges, added, _QWEN_SPLIT, {"type": "NFC"})
+    decoder = added_tokens_decoder(added)
     config = {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": decoder,
               "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
               "chat_template": demo_chat_template() if chat_template is None else chat_template,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from tests.checkpoints import qwen_like_vocab
+from tests.checkpoints import added_tokens_decoder, qwen_like_vocab, write_bpe_tokenizer_json
 
 HARMONY_REGULAR_TOKENS = 199998  # o200k: ids below this are byte-level BPE tokens
 HARMONY_VOCAB_SIZE = 201088  # gpt-oss's config.json vocab_size: the added tokens run up to it
@@ -47,20 +47,8 @@ def write_harmony_tokenizer(directory: str | pathlib.Path, chat_template: str | 
     vocab, merges = qwen_like_vocab(HARMONY_REGULAR_TOKENS - 256)
     added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": True} for i, text in harmony_added_tokens()]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    data = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _O200K_SPLIT}, "behavior": "Isolated", "invert": False},
-            byte_level]},
-        "post_processor": byte_level, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {token: i for i, token in enumerate(vocab)}, "merges": [list(m) for m in merges]},
-    }
-    (directory / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    decoder = {str(entry["id"]): {k: entry[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
-                                                        "special")} for entry in added}
+    write_bpe_tokenizer_json(directory, vocab, merges, added, _O200K_SPLIT, None)
+    decoder = added_tokens_decoder(added)
     config = {"added_tokens_decoder": decoder, "bos_token": "<|startoftext|>",
               "chat_template": harmony_template() if chat_template is None else chat_template,
               "clean_up_tokenization_spaces": False, "eos_token": "<|return|>", "extra_special_tokens": {},
