@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rawserve.config import EngineConfig
 from rawserve.engine.core import EngineCore
 from rawserve.engine.types import SamplingParams
 from tests.checkpoints import MOE_FAMILIES, load_hf_moe, make_moe_checkpoint
+from tests.engine import stepping
+from tests.engine.stepping import greedy, hf_greedy, step_to_end
 
 BLOCK = 4
 VOCAB = 256
@@ -32,52 +33,30 @@ def hf(ckpt, family):
 
 
 def make_core(model_dir, **options) -> EngineCore:
-    defaults = dict(model_dir=str(model_dir), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=256,
-                    max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256)
-    return EngineCore(EngineConfig(**{**defaults, **options}))
+    return stepping.make_core(model_dir, BLOCK, **options)
 
 
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def reference(hf, ids: list[int], max_tokens: int = 8) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def run(core: EngineCore, requests, max_steps: int = 2000):
     for rid, ids, params in requests:
         core.add_request(rid, ids, params)
-    tokens: dict[str, list[int]] = {}
-    final = {}
-    for _ in range(max_steps):
-        if not core.has_unfinished:
-            return tokens, final
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
+    return step_to_end(core, max_steps)
 
 
 def test_prompts_of_different_lengths_in_one_batch_equal_transformers(ckpt, hf):
     requests = [(f"r{n}", prompt(n, n), greedy(8)) for n in (1, 5, 13, 23)]
     tokens, _ = run(make_core(ckpt), requests)
-    assert tokens == {rid: reference(hf, ids) for rid, ids, _ in requests}
+    assert tokens == {rid: hf_greedy(hf, ids) for rid, ids, _ in requests}
 
 
 def test_chunked_prefill_equals_transformers(ckpt, hf):
     # cuts at 7-token steps: inside blocks, and (gpt-oss) across the 6-token sliding window
     requests = [("short", prompt(6, 2), greedy(10)), ("long", prompt(40, 1), greedy(6))]
     tokens, _ = run(make_core(ckpt, max_num_batched_tokens=7), requests)
-    assert tokens == {rid: reference(hf, ids, p.max_tokens) for rid, ids, p in requests}
+    assert tokens == {rid: hf_greedy(hf, ids, p.max_tokens) for rid, ids, p in requests}
 
 
 def test_preempted_sequences_are_recomputed_and_equal_transformers(ckpt, hf):
@@ -85,7 +64,7 @@ def test_preempted_sequences_are_recomputed_and_equal_transformers(ckpt, hf):
     core = make_core(ckpt, num_kv_blocks=18)  # 3 x 7-8 blocks at full length: someone must yield
     tokens, _ = run(core, requests)
     assert core.scheduler.num_preemptions > 0
-    assert tokens == {rid: reference(hf, ids, 14) for rid, ids, _ in requests}
+    assert tokens == {rid: hf_greedy(hf, ids, 14) for rid, ids, _ in requests}
 
 
 def test_prefix_hit_gives_the_cold_output(ckpt, hf):
@@ -93,7 +72,7 @@ def test_prefix_hit_gives_the_cold_output(ckpt, hf):
     core = make_core(ckpt)
     cold, _ = run(core, [("cold", ids, greedy(8))])
     hit, final = run(core, [("hit", ids, greedy(8))])
-    assert hit["hit"] == cold["cold"] == reference(hf, ids)
+    assert hit["hit"] == cold["cold"] == hf_greedy(hf, ids)
     assert final["hit"].num_cached_tokens == 20
 
 
@@ -119,7 +98,7 @@ def test_stacked_expert_tensors_load_as_per_expert_ones(family, tmp_path):
     stacked = make_moe_checkpoint(tmp_path / "b", family, seed=3, stacked=True)
     requests = [("s", prompt(17, 4), greedy(8))]
     assert run(make_core(per_expert), requests)[0] == run(make_core(stacked), requests)[0] == \
-        {"s": reference(load_hf_moe(per_expert, family), requests[0][1])}
+        {"s": hf_greedy(load_hf_moe(per_expert, family), requests[0][1])}
 
 
 def test_offline_llm_generates_transformers_ids(ckpt, hf):
@@ -129,4 +108,4 @@ def test_offline_llm_generates_transformers_ids(ckpt, hf):
               max_num_seqs=4)
     ids = prompt(17, 12)
     [result] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2))
-    assert [c.token_ids for c in result.outputs] == [reference(hf, ids, 6)] * 2
+    assert [c.token_ids for c in result.outputs] == [hf_greedy(hf, ids, 6)] * 2

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rawserve.config import EngineConfig
 from rawserve.engine import memory
 from rawserve.engine.core import EngineCore
 from rawserve.engine.rules import samples
 from rawserve.engine.types import SamplingParams
+from tests.engine import stepping
+from tests.engine.stepping import greedy, hf_greedy, step_to_end
 from tests.qwen35_checkpoints import load_hf_qwen35, make_qwen35_checkpoint
 
 BLOCK = 4
@@ -30,42 +31,18 @@ def hf(ckpt):
 
 
 def make_core(model_dir, **options) -> EngineCore:
-    defaults = dict(model_dir=str(model_dir), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=256,
-                    max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256)
-    return EngineCore(EngineConfig(**{**defaults, **options}))
+    return stepping.make_core(model_dir, BLOCK, **options)
 
 
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def reference(hf, ids: list[int], max_tokens: int = 8) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def run(core: EngineCore, requests, max_steps: int = 2000, on_step=None):
     """Add (rid, ids, params) requests, step to the end -> ({rid: ids}, {rid: final output})."""
     for rid, ids, params in requests:
         core.add_request(rid, ids, params)
-    tokens: dict[str, list[int]] = {}
-    final = {}
-    for _ in range(max_steps):
-        if not core.has_unfinished:
-            return tokens, final
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                final[out.request_id] = out
-        if on_step is not None:
-            on_step(core)
-    raise AssertionError("engine did not finish")
+    return step_to_end(core, max_steps, on_step)
 
 
 def assert_no_leak(core: EngineCore) -> None:
@@ -86,7 +63,7 @@ def test_prompts_of_different_lengths_in_one_batch_equal_transformers_generate(c
     core = make_core(ckpt)
     assert core.runner.is_hybrid and len(core.runner.kv_caches) == 2  # KV for the 2 full-attention layers only
     tokens, final = run(core, requests)
-    assert tokens == {rid: reference(hf, ids) for rid, ids, _ in requests}
+    assert tokens == {rid: hf_greedy(hf, ids) for rid, ids, _ in requests}
     assert all(out.finish_reason == "length" for out in final.values())
     assert_no_leak(core)
 
@@ -100,7 +77,7 @@ def test_chunked_prefill_with_edges_inside_conv_windows_and_delta_chunks(ckpt, h
     tokens, _ = run(core, requests, on_step=lambda c: chunks.append(c.requests["long"].num_computed_tokens)
                     if "long" in c.requests else None)
     assert chunks[:6] == [33, 68, 104, 140, 148, 150]  # the short prompt cut at its save edge (4) first
-    assert tokens == {rid: reference(hf, ids, p.max_tokens) for rid, ids, p in requests}
+    assert tokens == {rid: hf_greedy(hf, ids, p.max_tokens) for rid, ids, p in requests}
     assert_no_leak(core)
 
 
@@ -109,7 +86,7 @@ def test_preempted_sequences_are_recomputed_and_equal_transformers(ckpt, hf):
     core = make_core(ckpt, num_kv_blocks=18)  # 3 x 7-8 blocks at full length: someone must yield
     tokens, _ = run(core, requests)
     assert core.scheduler.num_preemptions > 0
-    assert tokens == {rid: reference(hf, ids, 14) for rid, ids, _ in requests}
+    assert tokens == {rid: hf_greedy(hf, ids, 14) for rid, ids, _ in requests}
     assert_no_leak(core)
 
 
@@ -118,7 +95,7 @@ def test_n_2_samples_each_equal_transformers(ckpt, hf):
     children = samples(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))
     core = make_core(ckpt)
     tokens, _ = run(core, [(f"s{j}", ids, params) for j, params in enumerate(children)])
-    assert tokens["s0"] == tokens["s1"] == reference(hf, ids)
+    assert tokens["s0"] == tokens["s1"] == hf_greedy(hf, ids)
     assert_no_leak(core)
 
 
@@ -128,7 +105,7 @@ def test_prefix_hit_restores_a_saved_state_and_gives_the_cold_output(ckpt, hf):
     cold, _ = run(core, [("cold", ids, greedy(8))])
     assert core.states.num_restores == 0
     hit, final = run(core, [("hit", ids, greedy(8))])
-    assert hit["hit"] == cold["cold"] == reference(hf, ids)
+    assert hit["hit"] == cold["cold"] == hf_greedy(hf, ids)
     assert final["hit"].num_cached_tokens == 20  # the prompt's last full block edge: (23 - 1) // 4 * 4
     assert core.states.num_restores == 1
     assert_no_leak(core)
@@ -140,7 +117,7 @@ def test_multi_turn_prompt_extending_the_last_output_hits_past_the_first_prompt(
     out, _ = run(core, [("t1", first, greedy(11))])
     second = first + out["t1"] + prompt(7, 7)  # the next turn: history, the answer, a new message
     turn2, final = run(core, [("t2", second, greedy(8))])
-    assert turn2["t2"] == reference(hf, second)
+    assert turn2["t2"] == hf_greedy(hf, second)
     # The decode's rolling save at its last block edge: 28 of the 29 tokens the first turn computed
     assert final["t2"].num_cached_tokens == 28 and core.states.num_restores == 1
     assert_no_leak(core)
@@ -253,7 +230,7 @@ def test_admission_waits_for_a_free_state_slot(ckpt, hf):
     most = []
     tokens, _ = run(core, requests, on_step=lambda c: most.append(c.scheduler.num_running))
     assert max(most) == 2
-    assert tokens == {rid: reference(hf, ids, 6) for rid, ids, _ in requests}
+    assert tokens == {rid: hf_greedy(hf, ids, 6) for rid, ids, _ in requests}
     assert_no_leak(core)
 
 
@@ -277,5 +254,5 @@ def test_offline_llm_generates_transformers_ids_for_n_2(ckpt, hf):
               max_num_seqs=4)
     ids = prompt(17, 12)
     [result] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2))
-    assert [c.token_ids for c in result.outputs] == [reference(hf, ids, 6)] * 2
+    assert [c.token_ids for c in result.outputs] == [hf_greedy(hf, ids, 6)] * 2
     assert_no_leak(llm.core)

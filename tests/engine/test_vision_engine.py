@@ -12,8 +12,8 @@ import torch
 from rawserve.config import EngineConfig
 from rawserve.engine.core import EngineCore
 from rawserve.engine.mm_inputs import ImageInput, MultiModalInputs
-from rawserve.engine.types import SamplingParams
 from tests.checkpoints import hf_image_processor, load_hf_vl, make_qwen3_vl_checkpoint, make_qwen35_vl_checkpoint
+from tests.engine.stepping import greedy, step_to_end
 
 Image = pytest.importorskip("PIL.Image")
 BLOCK = 4
@@ -80,24 +80,11 @@ def picture(width: int, height: int, seed: int):
     return Image.fromarray(noise.numpy())
 
 
-def greedy(max_tokens: int = 8) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def run(core: EngineCore, requests) -> tuple[dict, dict]:
     """Add (rid, ids, features) requests, step to the end -> ({rid: ids}, {rid: final output})."""
     for rid, ids, features in requests:
         core.add_request(rid, ids, greedy(), features=features)
-    tokens: dict[str, list[int]] = {}
-    final = {}
-    for _ in range(2000):
-        if not core.has_unfinished:
-            return tokens, final
-        for out in core.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
+    return step_to_end(core)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import types
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, load_weights, mapped_embedding, read_model_config
