@@ -220,13 +220,19 @@ def _packed_bytes(layer, name: str) -> int:
     return packed.numel() * packed.element_size() if packed is not None else weight.numel() * weight.element_size()
 
 
-def decode(args: argparse.Namespace) -> None:
+def _ensure_checkpoint(args: argparse.Namespace) -> pathlib.Path:
+    """args.model_dir, written first (random weights, args.layers layers) when it holds no checkpoint yet."""
     model_dir = pathlib.Path(args.model_dir)
     if not (model_dir / "config.json").exists():
         start = time.perf_counter()
         make_checkpoint(model_dir, args.layers)
         emit({"bench": "moe_checkpoint", "dir": str(model_dir), "layers": args.layers,
               "write_s": round(time.perf_counter() - start, 1)})
+    return model_dir
+
+
+def decode(args: argparse.Namespace) -> None:
+    model_dir = _ensure_checkpoint(args)
     for config in args.configs:
         cmd = [sys.executable, "-m", "bench.moe", "decode-one", "--model-dir", str(model_dir), "--config", config,
                "--streams", ",".join(map(str, args.streams)), "--tokens", str(args.tokens),
@@ -336,12 +342,7 @@ class Server:
 def serve(args: argparse.Namespace) -> None:
     from bench.checkpoints import copy_qwen3_tokenizer
 
-    model_dir = pathlib.Path(args.model_dir)
-    if not (model_dir / "config.json").exists():
-        start = time.perf_counter()
-        make_checkpoint(model_dir, args.layers)
-        emit({"bench": "moe_checkpoint", "dir": str(model_dir), "layers": args.layers,
-              "write_s": round(time.perf_counter() - start, 1)})
+    model_dir = _ensure_checkpoint(args)
     if not copy_qwen3_tokenizer(model_dir):
         raise SystemExit("serve needs the Qwen3 tokenizer (../shared/fixtures/qwen3-tokenizer)")
     threads = str(args.llama_threads or os.cpu_count())  # run.sh's -t / -tb: every CPU
