@@ -17,7 +17,7 @@ from rawserve.engine.attention.metadata import AttentionMetadata, decode_splits
 from rawserve.engine.attention.torch_backend import read_dtype
 from rawserve.engine.cuda_graphs import DecodeGraphs
 from rawserve.engine.dtype_probe import DtypeChoice, probe_cpu_dtype
-from rawserve.engine.loader import ModelConfig, embedding_name, load_weights, mapped_embedding, read_model_config, \
+from rawserve.engine.loader import ModelConfig, embedding_name, mapped_embedding, read_model_config, \
     read_safetensors_header, safetensors_files
 from rawserve.engine.lora import LoraWeights
 from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
@@ -84,22 +84,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: torch.
     on_filled = model.defer_quantized(quant) if quant is not None else None
     model.materialize(device)
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
-    targets = model.targets()
-    head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
-    embedding = mapped_embedding(model_dir, cfg, device, head_apart)
-    if embedding is not None:
-        model.map_embedding(embedding)
-        del targets[embedding.name]
-    else:
-        model.narrow_embedding(head_packed=head_apart)
-    load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset(), on_filled,
-                 set_aside=model.set_aside)
-    if quant is not None:
-        model.finish_quantized(quant)
-    for layer in model.layers:
-        layer.fuse_qk_norm()
-    if prepack:
-        model.prepack()
+    model.load_checkpoint(model_dir, device, prepack=prepack, quant=quant, on_filled=on_filled)
     return model.eval()
 
 

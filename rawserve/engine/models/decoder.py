@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import pathlib
 import types
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from rawserve.engine.attention import get_backend
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.loader import ModelConfig, Target, TensorEntry, map_tensor
+from rawserve.engine.loader import ModelConfig, Target, TensorEntry, load_weights, map_tensor, mapped_embedding
 from rawserve.engine.lora import LoraBatch, LoraWeights
 from rawserve.engine.quant import QuantizedLinear, QuantPlan, quantize, quantized_bytes
 
@@ -265,6 +266,27 @@ class DecoderModel(nn.Module):
         """After the weights are in, before packing: each layer folds what it can (fuse_qk_norm)."""
         for layer in self.layers:
             layer.fuse_qk_norm()
+
+    def load_checkpoint(self, model_dir: str | pathlib.Path, device: torch.device, *, prepack: bool,
+                        quant: QuantPlan | None, on_filled: Callable | None) -> None:
+        """Every loader's steps after materialize(): the embedding served from the file where it may be
+        (map_embedding) or held narrow, the weights streamed in (on_filled quantizes each as it lands), the
+        quantizer's and the layers' last folds, then the CPU packing when `prepack`."""
+        targets = self.targets()
+        head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
+        embedding = mapped_embedding(model_dir, self.cfg, device, head_apart)
+        if embedding is not None:
+            self.map_embedding(embedding)
+            del targets[embedding.name]
+        else:
+            self.narrow_embedding(head_packed=head_apart)
+        load_weights(model_dir, targets, frozenset([embedding.name]) if embedding is not None else frozenset(),
+                     on_filled, set_aside=self.set_aside)
+        if quant is not None:
+            self.finish_quantized(quant)
+        self.finish_load()
+        if prepack:
+            self.prepack()
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.cfg).to(device)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rawserve.engine.attention.metadata import AttentionMetadata
-from rawserve.engine.loader import ModelConfig, Target, load_weights, mapped_embedding, read_model_config
+from rawserve.engine.loader import ModelConfig, Target, read_model_config
 from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, apply_rope, \
     cpu_prepack_supported
@@ -318,19 +318,5 @@ def load_qwen35_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device:
     on_filled = model.defer_quantized(quant) if quant is not None else None
     model.materialize(device)
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
-    targets = model.targets()
-    head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
-    embedding = mapped_embedding(model_dir, cfg, device, head_apart)
-    mapped = frozenset([embedding.name]) if embedding is not None else frozenset()
-    if embedding is not None:
-        model.map_embedding(embedding)
-        del targets[embedding.name]
-    else:
-        model.narrow_embedding(head_packed=head_apart)
-    load_weights(model_dir, targets, mapped, on_filled, set_aside=model.set_aside)
-    if quant is not None:
-        model.finish_quantized(quant)
-    model.finish_load()
-    if prepack:
-        model.prepack()
+    model.load_checkpoint(model_dir, device, prepack=prepack, quant=quant, on_filled=on_filled)
     return model.eval()

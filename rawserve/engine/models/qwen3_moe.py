@@ -11,8 +11,7 @@ import types
 import torch
 from torch import nn
 
-from rawserve.engine.loader import ModelConfig, Target, load_weights, mapped_embedding, read_model_config, \
-    safetensors_files
+from rawserve.engine.loader import ModelConfig, Target, read_model_config, safetensors_files
 from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderLayer, DecoderModel, LinearOwner, cpu_prepack_supported
 from rawserve.engine.models.moe import SparseMoe, checkpoint_names
@@ -123,21 +122,8 @@ def load_moe_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: to
         log.info("MXFP4 expert weights: no CPU kernel computes on them here; dequantized to %s as they load%s",
                  str(dtype).removeprefix("torch."), f", then {quant.scheme}" if quant is not None else "")
     prepack = prepack and device.type == "cpu" and cpu_prepack_supported(dtype)
-    targets = model.targets()
-    head_apart = prepack or quant is not None  # the head reads its own packed or quantized copy
-    embedding = mapped_embedding(model_dir, cfg, device, head_apart)
-    mapped = frozenset([embedding.name]) if embedding is not None else frozenset()
-    if embedding is not None:
-        model.map_embedding(embedding)
-        del targets[embedding.name]
-    else:
-        model.narrow_embedding(head_packed=head_apart)
-    load_weights(model_dir, targets, mapped, on_filled, set_aside=model.set_aside)
-    if quant is not None:
-        model.finish_quantized(quant)
-    model.finish_load()
+    model.load_checkpoint(model_dir, device, prepack=prepack, quant=quant, on_filled=on_filled)
     if prepack:
-        model.prepack()
         for block in blocks:
             block.experts.prepack()
     return model.eval()
