@@ -2,11 +2,13 @@
 length and delta-rule chunk size, and a decode step's ms after a given context.
 
 python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192,32768] [--rows 1,32] [--chunks 32,64,128]
-    [--dtype bfloat16]
+    [--dtype bfloat16] [--decode-attention auto,sdpa]
 Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared). A decode's
 cost does not depend on the values in its context, so the decode rows fill the KV cache and the states with
 random values rather than prefilling them (32k prefill on a 2-core CPU takes minutes: pass it to --prefill
-explicitly when wanted). Memory per sequence (states + KV) is computed from the shapes.
+explicitly when wanted). Memory per sequence (states + KV) is computed from the shapes. --decode-attention auto,sdpa
+times each decode row both ways, alternating (auto: the engine's pick, the chunked long-context path from
+long_decode.LONG_DECODE_TOKENS on; sdpa: the batched SDPA at every length, as before it).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 import torch
 
 from bench.model_forward import rev, timed
+from rawserve.engine.attention import long_decode
 from rawserve.engine.loader import HybridConfig, ModelConfig
 from rawserve.engine.models.decoder import cpu_prepack_supported
 from rawserve.engine.models.gated_delta import StateBatch
@@ -122,12 +125,19 @@ def main() -> None:
     parser.add_argument("--chunks", default="64")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--decode-attention", default="auto", help="auto, sdpa, or both: auto,sdpa")
     args = parser.parse_args()
     keep_freed_heap()  # as the engine's runner does on a CPU
     dtype = getattr(torch, args.dtype)
     prefills = [int(n) for n in args.prefill.split(",") if n]
     contexts = [int(n) for n in args.context.split(",") if n]
     batch_rows = [int(n) for n in args.rows.split(",") if n]
+    modes = args.decode_attention.split(",")
+    thresholds = {"auto": long_decode.LONG_DECODE_TOKENS, "sdpa": 1 << 62}
+
+    def attention_path(mode: str, ctx: int) -> str:
+        return "chunked" if ctx + 1 >= thresholds[mode] else "sdpa"
+
     most = max(prefills + contexts) + 2
     cfg = config_0_8b(most)
     base = {"bench": "qwen35_forward", "model": "qwen3.5-0.8b-random", "dtype": args.dtype,
@@ -145,22 +155,29 @@ def main() -> None:
                               "reps": reps, "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
         if chunk == int(args.chunks.split(",")[0]):
             for ctx in contexts:
-                times = timed(lambda: harness.step([7], ctx), reps=max(5, args.reps), warmup=2)
-                print(json.dumps({**base, "kind": "decode", "rows": 1, "context_tokens": ctx,
-                                  "decode_ms_median": round(statistics.median(times) * 1e3, 2),
-                                  "decode_ms_min": round(min(times) * 1e3, 2),
-                                  "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+                for mode in modes:
+                    long_decode.LONG_DECODE_TOKENS = thresholds[mode]
+                    times = timed(lambda: harness.step([7], ctx), reps=max(5, args.reps), warmup=2)
+                    print(json.dumps({**base, "kind": "decode", "rows": 1, "context_tokens": ctx,
+                                      "decode_attention": attention_path(mode, ctx),
+                                      "decode_ms_median": round(statistics.median(times) * 1e3, 2),
+                                      "decode_ms_min": round(min(times) * 1e3, 2),
+                                      "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
             del harness
             ctx = contexts[0] if contexts else 1024
             for rows in (r for r in batch_rows if r > 1):
                 harness = Harness(model, ctx + 2, dtype, rows)
-                times = timed(lambda: harness.step([7], ctx, rows), reps=max(5, args.reps), warmup=2)
-                print(json.dumps({**base, "kind": "decode", "rows": rows, "context_tokens": ctx,
-                                  "decode_ms_median": round(statistics.median(times) * 1e3, 2),
-                                  "decode_ms_min": round(min(times) * 1e3, 2),
-                                  "tok_s": round(rows / statistics.median(times), 1),
-                                  "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+                for mode in modes:
+                    long_decode.LONG_DECODE_TOKENS = thresholds[mode]
+                    times = timed(lambda: harness.step([7], ctx, rows), reps=max(5, args.reps), warmup=2)
+                    print(json.dumps({**base, "kind": "decode", "rows": rows, "context_tokens": ctx,
+                                      "decode_attention": attention_path(mode, ctx),
+                                      "decode_ms_median": round(statistics.median(times) * 1e3, 2),
+                                      "decode_ms_min": round(min(times) * 1e3, 2),
+                                      "tok_s": round(rows / statistics.median(times), 1),
+                                      "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
                 del harness
+            long_decode.LONG_DECODE_TOKENS = thresholds["auto"]
             for ctx in contexts:
                 print(json.dumps({**base, "kind": "memory_per_sequence", **memory_per_sequence(cfg, model, ctx,
                                                                                             dtype)}), flush=True)
