@@ -25,8 +25,8 @@ runs; the plain tok/s ratio is printed beside it.
 Cold (--cold-decode, issue 34): batch --batch where every row has a schema nobody sent before (variants of the
 corpus schemas), against the same batch unconstrained; then an unconstrained stream's ITL p99 alone and beside
 8 cold-schema streams, and beside 8 unconstrained ones (the same batch of 9 without grammars: what the batch
-costs that stream apart from the guided work). Masks are built on the core's helper thread during the forward;
-the rows report what the steps waited for them.
+costs that stream apart from the guided work). Masks are built on the core's helper thread ahead of need; a row
+whose mask is late samples in a later step (num_row_steps_sat_out), and the rows report what steps waited.
 """
 from __future__ import annotations
 
@@ -664,7 +664,7 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
                           max_num_batched_tokens=4096, max_model_len=max_prompt + out_len + 8)
     core = EngineCore(config)
     registry = core.guided_registry()
-    registry._ahead.submit(lambda: None).result()  # the vocabulary's plain split: engine start-up
+    registry.wait_idle()  # the vocabulary's plain split: engine start-up
     timer = GuidedTimer()
     forward = ForwardTimer(core.runner)
     rows = []
@@ -681,6 +681,10 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
         for index, label in enumerate(("none", "cold", "none")):
             guided = grammars(batch, f"b{index}") if label == "cold" else None
             waited_before = registry.ahead_wait_s
+            sat_before, idle_before = registry.num_sat_out, registry.idle_wait_s
+            grace_before = registry.grace_wait_s
+            registry.ahead_wait_max_s = 0.0
+            registry.grace_wait_max_s = 0.0
             result = decode_run(core, prompts, out_len, guided, f"c{index}", timer, forward)
             steps = result["steps"]
             decode_steps = steps[1:]  # the first is the prefill
@@ -690,6 +694,10 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
                          "step_ms": [s[0] * 1e3 for s in decode_steps],
                          "forward_ms": [s[4] * 1e3 for s in decode_steps],
                          "ahead_wait_ms": (registry.ahead_wait_s - waited_before) * 1e3,
+                         "num_sat_out": registry.num_sat_out - sat_before,
+                         "idle_wait_ms": (registry.idle_wait_s - idle_before) * 1e3,
+                         "grace_wait_ms": (registry.grace_wait_s - grace_before) * 1e3,
+                         "wait_max_ms": max(registry.ahead_wait_max_s, registry.grace_wait_max_s) * 1e3,
                          "num_stop": sum(1 for r in result["reasons"].values() if r == "stop")})
             if label == "cold":
                 check_outputs(tokenizer, "cold", result)
@@ -705,6 +713,13 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
                      "forward_ms_p50": round(percentile(cold["forward_ms"], 0.5), 2),
                      # what the cold run's steps waited for masks still being built on the helper thread
                      "ahead_wait_ms_total": round(cold["ahead_wait_ms"], 1),
+                     # row-steps a decoding row sat out for its mask, and what steps with nothing else to run
+                     # waited for the helper
+                     "num_row_steps_sat_out": cold["num_sat_out"], "idle_wait_ms_total": round(cold["idle_wait_ms"], 1),
+                     # what the steps waited for masks after their forwards (the grace), in all; the longest
+                     # single wait of a step for masks (either kind)
+                     "grace_wait_ms_total": round(cold["grace_wait_ms"], 1),
+                     "mask_wait_max_ms": round(cold["wait_max_ms"], 1),
                      "num_finished_stop": cold["num_stop"], "load_avg_1m": round(os.getloadavg()[0], 2)})
         print(json.dumps(rows[-1]), flush=True)
 

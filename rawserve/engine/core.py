@@ -9,11 +9,13 @@ import gc
 import itertools
 import logging
 import pathlib
+import time
 
 import torch
 
 from rawserve.config import EngineConfig
 from rawserve.engine.cpu_budget import ThreadPlan, plan_threads
+from rawserve.engine.guided.deferred import GRACE_FRACTION, DeferredSamples, merge_outputs
 from rawserve.engine.guided.matcher import GuidedRegistry, apply_masks
 from rawserve.engine.guided.vocab import is_vocab_index_cached, load_vocab_index
 from rawserve.engine.kv_cache import KVCacheManager
@@ -82,6 +84,10 @@ class EngineCore:
             self.loras.load(name, path)
         self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
         self.spec = self._make_spec()  # --speculative-config's drafts and their verification, or None
+        # Constrained rows whose mask was not built when their logits came: sampled in a later step (a drafted
+        # row's verification needs its masks in the step, so with speculative decoding the step waits instead)
+        self._deferred: DeferredSamples | None = DeferredSamples() if self.spec is None else None
+        self._forward_s = 0.0  # the last forward's time (a deferral's grace is a share of it)
         self.requests: dict[str, Request] = {}
         # The vocabulary index guided decoding walks (~35 MiB for Qwen3's 151k tokens) is read from its disk cache
         # at the first guided request (tens of ms, once), so a server that never gets one never holds it. Building
@@ -133,7 +139,12 @@ class EngineCore:
             if self._guided_dir is None:
                 raise ValueError("guided: this checkpoint has no tokenizer.json to build token masks from")
             self._guided = GuidedRegistry(load_vocab_index(self._guided_dir, self.vocab_size), self.runner.device)
+        if self.scheduler.ready is None and self._deferred is not None:  # a row holding a deferred sample waits
+            self.scheduler.ready = self._has_no_deferred_sample
         return self._guided
+
+    def _has_no_deferred_sample(self, req: Request) -> bool:
+        return not self._deferred.holds(req)
 
     def close(self) -> None:
         """Let the adapter reads in flight go (each finishes on its own thread and is dropped)."""
@@ -202,6 +213,10 @@ class EngineCore:
         self.scheduler.finish(req, "abort")
         self.sampler.release(req)
         self._pooled.pop(rid, None)
+        if req.guided is not None and self._guided is not None:
+            self._guided.forget(req.guided)
+            if self._deferred is not None:
+                self._deferred.drop(req)
         self._request_done(req)
         self._release_if_idle()
         return RequestOutput(rid, [], finished=True, finish_reason="abort",
@@ -234,6 +249,18 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update. One output per request that got a token this step; a
         request in the middle of its prompt outputs nothing until the chunk that finishes it."""
+        try:
+            if self._deferred:  # rows whose masks were built since their logits came: sampled now, in time for this
+                early = self._sample_deferred()  # step's forward
+                self._guided.end_step()  # their next masks build during the forward
+                if early:
+                    return merge_outputs(early, self._step())
+            return self._step()
+        finally:
+            if self._guided is not None:  # the grammars the step held go back to the guided helper thread
+                self._guided.end_step()
+
+    def _step(self) -> list[RequestOutput]:
         if self.spec is not None:  # drafts for the rows about to decode, which the scheduler then sizes
             self.spec.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
@@ -243,6 +270,12 @@ class EngineCore:
         if self.governor is not None:
             self.governor.tick()
         if not scheduled:
+            if self._deferred:  # only rows waiting for their masks: sample those built, else wait for one (no spin)
+                outputs = self._sample_deferred()
+                if not outputs:
+                    self._guided.wait_for_masks()
+                    outputs = self._sample_deferred()
+                return outputs
             return []
         lora_slots = self.scheduler.lora_slots
         if lora_slots is not None and lora_slots.pending_loads:  # adapters newly resident: weights in place
@@ -251,17 +284,20 @@ class EngineCore:
         plan = StepPlan(scheduled)  # the batch's rows: which sample, which carry prompt logprobs
         if self.states is not None:  # prefix hits' saved states into their new slots, before the forward reads them
             self.runner.copy_states(self.states.take_copies())
-        # Constrained rows' masks not built yet are built on the guided helper thread while the forward runs
-        # (torch ops release the GIL); the step waits only for what outlasts the forward.
-        ahead = self._guided.build_ahead([r.guided for r in plan.sample_reqs + [s.req for s in plan.spec_spans]
-                                          if r.guided is not None]) \
+        # Without speculative decoding a row samples only once its mask is built (a late one is deferred, after a
+        # grace: _process_logits). With it, the sampling rows' and drafted positions' masks are built on the guided
+        # helper thread while the forward runs, and the step waits for what outlasts it.
+        ahead = self._guided.build_ahead([r.guided for r in (plan.sample_reqs if self._deferred is None else [])
+                                          + [s.req for s in plan.spec_spans] if r.guided is not None]) \
             if self._guided is not None else None
+        began = time.perf_counter()
         try:
             if plan.pool_reqs:
                 logits, pooled = self.runner.execute_pooling(plan.batch)
                 self._add_pooled(plan, pooled)
             else:
                 logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
+            self._forward_s = time.perf_counter() - began
         finally:
             if ahead is not None:
                 self._guided.wait_ahead(ahead)
@@ -275,7 +311,7 @@ class EngineCore:
             failures: list[tuple[Request, str, Exception]] = []
             scored += self.spec.verify(plan.spec_spans, logits, self._verify_hooks, failures)
             scored += [self._fail_alone(req, stage, error) for req, stage, error in failures]
-        if not plan.sample_reqs:
+        if not plan.sample_reqs and not self._deferred:
             self._release_if_idle()
             return scored
         # A fault in one request's logits processing, sampling or grammar fails that request alone (_fail_alone);
@@ -419,7 +455,20 @@ class EngineCore:
         if not plan.samples_every_row:  # some rows were prompt-logprob rows: pick the sampling ones
             rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=logits.device)
             logits = logits.index_select(0, rows)  # [len(sample_reqs), V]
+        if self._deferred is not None and self._guided is not None:  # rows whose masks are not built wait
+            logits, reqs = self._deferred.split(logits, reqs, self._guided, GRACE_FRACTION * self._forward_s)
         return self._mask_rows(logits, reqs, failures)
+
+    def _sample_deferred(self) -> list[RequestOutput]:
+        """A step with no forward: the deferred rows whose masks are built now sample."""
+        failures: list[tuple[Request, str, Exception]] = []
+        empty = torch.empty(0, self.vocab_size, device=self.runner.device)
+        logits, reqs = self._mask_rows(*self._deferred.split(empty, [], self._guided), failures)
+        reqs, tokens, logprobs = self._sample(logits, reqs, failures)
+        outputs = self._update(reqs, tokens, logprobs, failures)
+        outputs += [self._fail_alone(req, stage, error) for req, stage, error in failures]
+        self._release_if_idle()
+        return outputs
 
     def _mask_rows(self, logits: torch.Tensor, reqs: list[Request], failures: list[tuple[Request, str, Exception]]
                    ) -> tuple[torch.Tensor, list[Request]]:
@@ -480,6 +529,8 @@ class EngineCore:
                     reason = "stop"
             if reason is None and (num_before + 1 >= params.max_tokens or len(req.token_ids) >= max_model_len):
                 reason = "length"
+            if guided is not None and reason is None and self._guided is not None:
+                self._guided.prefetch(guided)  # its next mask: built on the helper thread from the step's end
             entry = logprobs[i] if logprobs is not None else None
             outputs.append(RequestOutput(
                 req.rid, [token], finished=reason is not None, finish_reason=reason, stop_reason=stop_reason,

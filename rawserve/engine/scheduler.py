@@ -105,6 +105,9 @@ class Scheduler:
         # A vision model's images still to encode in a token range, as (first token, cost in tokens)
         # (MultiModalManager.encoder_costs): their encoding is charged to the step's budget (_charge_encoder).
         self.encoder_costs = encoder_costs
+        # Set by EngineCore once it serves guided requests: False for a running request that must sit this step out
+        # (its sample waits for its grammar mask); it keeps its KV and its place, and runs in a later step.
+        self.ready: Callable[[Request], bool] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -202,8 +205,10 @@ class Scheduler:
 
         # Decodes first (one token each), then chunks of prompts already under way.
         decodes, prefills = [], []
+        ready = self.ready
         for req in self.running:
-            (decodes if req.num_tokens - req.num_computed_tokens == 1 else prefills).append(req)
+            if ready is None or ready(req):
+                (decodes if req.num_tokens - req.num_computed_tokens == 1 else prefills).append(req)
         for req in decodes + prefills if prefills else decodes:
             if budget <= 0:
                 break

@@ -9,16 +9,16 @@ from __future__ import annotations
 import gc
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import logging
 
 import torch
 
 from rawserve.engine.guided.automaton import DEAD, Automaton
+from rawserve.engine.guided.mask_worker import MaskWorker
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.plain_walk import PlainWalk
-from rawserve.engine.guided.token_mask import TokenMask
+from rawserve.engine.guided.token_mask import TokenMask, id_tensor
 from rawserve.engine.guided.vocab import VocabIndex
 
 log = logging.getLogger("rawserve.engine.guided")
@@ -161,7 +161,7 @@ class GrammarRuntime:
             self._kind[self._num_kinds:needed] = torch.tensor(a.kind[self._num_kinds:needed], dtype=torch.int8)
             self._num_kinds = needed
         if todo:
-            self._table.view(-1, 256)[torch.tensor(todo, dtype=torch.int64)] = torch.tensor(rows, dtype=torch.int64)
+            self._table.view(-1, 256)[id_tensor(todo)] = id_tensor([c for row in rows for c in row]).view(-1, 256)
 
     def _lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Next configurations for cid * 256 + byte keys, computing the unknown ones in Python."""
@@ -247,7 +247,7 @@ class GrammarRuntime:
             walked = self._walk_py(cid)
             if walked is not None:
                 self.num_walks["python"] += 1
-                return -1, torch.tensor(walked[0], dtype=torch.int64), walked[1]
+                return -1, id_tensor(walked[0]), walked[1]
         self.num_walks["tensor"] += 1
         walk = self._walk_dense if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse
         certain, uncertain = walk(cid)
@@ -289,7 +289,7 @@ class GrammarRuntime:
         if num_plain <= 0 and certain.numel() + len(more) <= SPARSE_MASK_MAX_IDS:
             # a narrow mask (a key, digits, punctuation: most of a schema's masks) as its id list alone, without
             # the four passes over a [V] bool that cost 0.2 ms a mask
-            ids = torch.cat((certain, torch.tensor(more, dtype=torch.int64))) if more else certain
+            ids = torch.cat((certain, id_tensor(more))) if more else certain
             if v.dup_ids.numel() and ids.numel():
                 ids = torch.cat((ids, v.dup_ids[torch.isin(v.dup_canon, ids)]))
             ids = torch.unique(ids)
@@ -300,7 +300,7 @@ class GrammarRuntime:
             allowed = torch.zeros(v.vocab_size, dtype=torch.bool)
         allowed[certain] = True
         if more:
-            allowed[torch.tensor(more, dtype=torch.int64)] = True
+            allowed[id_tensor(more)] = True
         if v.dup_ids.numel():
             allowed[v.dup_ids] = allowed[v.dup_canon]
         num_allowed = int(allowed.sum())
@@ -327,14 +327,16 @@ def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GuidedState, list[in
 class GuidedState:
     """One request's place in its grammar: a configuration id, advanced by each sampled token.
 
-    Preemption recomputes the same tokens, so the state needs no rollback there.
+    Preemption recomputes the same tokens, so the state needs no rollback there. `failed` is a mask build on
+    the helper thread that raised, (configuration, error): the step raises it in this request's row.
     """
 
-    __slots__ = ("runtime", "config")
+    __slots__ = ("runtime", "config", "failed")
 
     def __init__(self, runtime: GrammarRuntime) -> None:
         self.runtime = runtime
         self.config = runtime.start
+        self.failed: tuple[int, Exception] | None = None
 
     def advance(self, token_id: int) -> None:
         self.config = self.runtime.advance(self.config, token_id)
@@ -348,16 +350,17 @@ class GuidedState:
     def is_dead(self) -> bool:
         return self.config == DEAD
 
+    @property
+    def has_mask(self) -> bool:
+        """Its mask now is built (or failed to build): the step can use it without building."""
+        failed = self.failed
+        return (failed is not None and failed[0] == self.config) or self.runtime.has_mask(self.config)
+
     def mask(self) -> TokenMask:
+        failed = self.failed
+        if failed is not None and failed[0] == self.config:
+            raise failed[1]
         return self.runtime.mask(self.config)
-
-
-def _build_masks(states: list[GuidedState]) -> None:
-    for state in states:
-        try:
-            state.runtime.build(state.config)
-        except Exception:  # noqa: BLE001 - the step builds it again in apply_masks, which fails that request alone
-            log.debug("building a mask ahead failed; the step will retry it", exc_info=True)
 
 
 def prepare_vocab(vocab: VocabIndex) -> None:
@@ -373,39 +376,119 @@ def prepare_vocab(vocab: VocabIndex) -> None:
 
 class GuidedRegistry:
     """The core's grammars, shared across requests by key, least recently used dropped past `capacity`
-    (requests still holding a dropped runtime keep it until they finish)."""
+    (requests still holding a dropped runtime keep it until they finish); and the helper thread that builds
+    their masks ahead of need.
+
+    Right after a row samples, its next mask is queued (`prefetch`; a new request's first at `state_for`), and
+    the helper builds it while the next forward runs. A row whose mask is not ready when its logits are, after
+    a short grace (`wait_built`), keeps them and samples in a later step (`is_ready` False;
+    deferred.DeferredSamples): one cold mask never holds up the batch for longer than the grace. Drafted positions (speculative decoding) build theirs during the forward
+    (`build_ahead`) and the step waits for what outlasts it.
+    """
 
     def __init__(self, vocab: VocabIndex, device: torch.device | str = "cpu", capacity: int = 32) -> None:
         self.vocab = vocab
         self.device = device
         self.capacity = capacity
         self._runtimes: OrderedDict[str, GrammarRuntime] = OrderedDict()
-        # One helper thread builds masks while the forward runs (torch ops release the GIL). Its first job is
-        # the vocabulary's plain split and Python arrays (about a second), so no step waits for them whole.
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="guided-ahead")
-        self._ahead.submit(prepare_vocab, vocab)
-        self.ahead_wait_s = 0.0  # what steps waited for masks still being built ahead, in all
+        # Its first job is the vocabulary's plain split and Python arrays (about a second), so no step waits for
+        # them whole.
+        self._worker = MaskWorker(lambda: prepare_vocab(vocab))
+        self.ahead_wait_s = 0.0  # what steps waited for urgent masks still being built, in all
         self.ahead_wait_max_s = 0.0
-        self.num_ahead = 0  # steps that built masks ahead
+        self.num_ahead = 0  # steps that built urgent masks
+        self.num_sat_out = 0  # rows whose sample waited a step for their mask (row-steps)
+        self.idle_wait_s = 0.0  # what steps with nothing else to run waited for the helper
+        self.grace_wait_s = 0.0  # what steps waited for masks after their forward (wait_built), in all
+        self.grace_wait_max_s = 0.0
+        self._has_waiting_rows = False  # a row's sample waited this step
 
-    def build_ahead(self, states: list[GuidedState]) -> Future | None:
-        """Start building, on the helper thread, the masks `states` will need in this step and do not have
-        yet (None if all are cached). The caller must wait_ahead before it touches any grammar again."""
-        todo = [s for s in states if not s.runtime.has_mask(s.config)]
+    def is_ready(self, state: GuidedState) -> bool:
+        """May this row sample now? Yes when its mask is built and its grammar is not in the helper's hands;
+        the runtime is then the step's until end_step. No queues its mask (if need be)."""
+        runtime = state.runtime
+        worker = self._worker
+        if worker.try_claim(runtime):
+            if state.has_mask:
+                return True
+            worker.enqueue(state, state.config)
+        elif not worker.is_pending(state) and not state.has_mask:  # reading has_mask is safe: dict lookups
+            worker.enqueue(state, state.config)
+        self.num_sat_out += 1
+        self._has_waiting_rows = True
+        return False
+
+    def wait_built(self, states: list[GuidedState], timeout_s: float) -> None:
+        """Wait up to timeout_s for these states' masks, where some are not built yet (a bounded grace: the
+        caller then defers what is still missing)."""
+        worker = self._worker
+
+        def is_done() -> bool:
+            return all(s.has_mask and not worker.is_busy_with(s.runtime) for s in states)
+
+        if not is_done():
+            began = time.perf_counter()
+            worker.wait_until(is_done, timeout_s)
+            waited = time.perf_counter() - began
+            self.grace_wait_s += waited
+            self.grace_wait_max_s = max(self.grace_wait_max_s, waited)
+
+    def prefetch(self, state: GuidedState) -> None:
+        """`state` just advanced (its runtime is the step's): queue its next mask if not built, to start as the
+        step ends."""
+        if not state.has_mask:
+            self._worker.enqueue(state, state.config)
+
+    def forget(self, state: GuidedState) -> None:
+        """Its request ended: its queued mask is not needed."""
+        self._worker.forget(state)
+
+    def end_step(self) -> None:
+        """The step is done with every grammar: the helper may build on all of them again."""
+        self._worker.end_step()
+        self._has_waiting_rows = False
+
+    def wait_for_masks(self, timeout_s: float = 0.05) -> None:
+        """The step had nothing to run: if rows wait for their masks, wait (no spin) until the helper
+        finishes one, or timeout_s, so the caller can take messages (aborts) and step again."""
+        waiting = self._has_waiting_rows
+        self.end_step()
+        if waiting:
+            self.idle_wait_s += self._worker.wait_progress(timeout_s)
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until the helper has nothing left to build (benches and tests)."""
+        return self._worker.wait_idle(timeout_s)
+
+    @property
+    def num_masks_queued(self) -> int:
+        return self._worker.num_queued
+
+    def build_ahead(self, states: list[GuidedState]) -> bool:
+        """Claim `states`' runtimes for this step (waiting for a mask the helper is building on one) and start
+        building, on the helper thread, the masks they need now and do not have. False if none is missing. The
+        caller must wait_ahead before it touches any of these grammars again."""
+        worker = self._worker
+        for state in states:
+            worker.claim(state.runtime)
+        todo = [s for s in states if not s.has_mask]
         if not todo:
-            return None
+            return False
         self.num_ahead += 1
-        return self._ahead.submit(_build_masks, todo)
+        worker.start_urgent(todo)
+        return True
 
-    def wait_ahead(self, future: Future) -> None:
+    def wait_ahead(self, started: bool) -> None:
+        if not started:
+            return
         began = time.perf_counter()
-        future.result()
+        self._worker.wait_urgent()
         waited = time.perf_counter() - began
         self.ahead_wait_s += waited
         self.ahead_wait_max_s = max(self.ahead_wait_max_s, waited)
 
     def close(self) -> None:
-        self._ahead.shutdown(wait=True, cancel_futures=True)
+        self._worker.close()
 
     def state_for(self, compiled: CompiledGrammar) -> GuidedState:
         runtime = self._runtimes.get(compiled.key)
@@ -416,4 +499,7 @@ class GuidedRegistry:
                 self._runtimes.popitem(last=False)
         else:
             self._runtimes.move_to_end(compiled.key)
-        return GuidedState(runtime)
+        state = GuidedState(runtime)
+        if not state.has_mask:  # its first mask, built while the request waits and its prompt runs
+            self._worker.enqueue(state, state.config)
+        return state

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from rawserve.engine.guided.automaton import DEAD, Automaton
+from rawserve.engine.guided.token_mask import id_tensor
 from rawserve.engine.guided.vocab import PLAIN_MAX_CHARS, VocabIndex
 
 # UTF-8 of one plain character (vocab._PLAIN_CHAR) as an automaton: state -> (lo, hi, next state), 0 the
@@ -240,7 +241,7 @@ class PlainWalk:
                 if d == DEAD:
                     break
                 self._tails_from(d, n, certain, uncertain, chain[min(n, len(chain) - 1) - 1] if n else DEAD)
-        return num_chars, torch.tensor(certain, dtype=torch.int64), uncertain
+        return num_chars, id_tensor(certain), uncertain
 
     def _extend_chain(self, chain: list[int], length: int) -> list[int] | None:
         """D_0..D_length (stopping at DEAD) from the full chain D_0..D_PLAIN_MAX_CHARS, None if some D_n is not

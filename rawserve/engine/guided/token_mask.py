@@ -3,9 +3,19 @@
 Core side; built by matcher.GrammarRuntime, read by the step's apply_masks."""
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 _NEG_INF = float("-inf")
+
+
+def id_tensor(ids: list[int]) -> torch.Tensor:
+    """An int64 tensor of a list of ids, through an array: torch.tensor(list) reads each int through Python
+    (3.6 ms for 5,000 ids on the loaded box, against 1.2 ms this way), and cold masks make many such lists."""
+    if not ids:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", ids), dtype=torch.int64)
 
 
 class TokenMask:

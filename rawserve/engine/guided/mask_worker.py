@@ -1,0 +1,181 @@
+"""The guided helper thread: builds token masks ahead of need, across steps, so a cold mask never holds up
+the batch; and the hand-over that keeps each grammar runtime in one thread's hands at a time.
+
+Core side. A runtime is either the step's (claimed, for the step's length) or the helper's (busy, one mask).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("rawserve.engine.guided")
+
+
+class MaskWorker:
+    """One daemon thread and its jobs: a queue of (state, configuration) masks to build in the background,
+    and the step's urgent batch (rows that must sample this step: a prompt's last chunk, drafted positions).
+
+    The rule that makes it safe: the helper builds a background job only on a runtime the step has not claimed,
+    and the step claims only a runtime the helper is not busy with (`try_claim`), or waits for that one mask
+    (`claim`). An urgent batch is built on runtimes the step claimed and promises not to touch until
+    `wait_urgent` returns (the forward runs meanwhile). States and runtimes are hashed by identity.
+    """
+
+    def __init__(self, prepare: Callable[[], None]) -> None:
+        self._cv = threading.Condition()
+        self._queue: dict[Any, int] = {}  # GuidedState -> the configuration whose mask it waits for, in order
+        self._claimed: set[Any] = set()  # GrammarRuntimes the step holds now
+        self._busy: Any = None  # the GrammarRuntime the helper builds on now (a background job)
+        self._building: Any = None  # and the GuidedState it builds for
+        self._urgent: list | None = None  # the step's batch, taken (None) once built
+        self._num_done = 0  # jobs finished: what an idle step waits to see move
+        self._closing = False
+        self.num_built = 0  # background masks built, in all
+        self.build_s = 0.0  # the helper's time on them
+        self._thread = threading.Thread(target=self._run, args=(prepare,), name="guided-ahead", daemon=True)
+        self._thread.start()
+
+    # ----- the step's side (the core thread)
+
+    def try_claim(self, runtime: Any) -> bool:
+        """Claim `runtime` for this step unless the helper is building on it now (then False: its rows sit out)."""
+        with self._cv:
+            if runtime is self._busy:
+                return False
+            self._claimed.add(runtime)
+            return True
+
+    def claim(self, runtime: Any) -> None:
+        """Claim `runtime` for this step, waiting for the one mask the helper may be building on it."""
+        with self._cv:
+            while runtime is self._busy:
+                self._cv.wait()
+            self._claimed.add(runtime)
+
+    def enqueue(self, state: Any, cid: int) -> None:
+        """Build `state`'s mask at configuration `cid` in the background (once; a newer cid replaces an older)."""
+        with self._cv:
+            if self._queue.get(state) != cid:
+                self._queue[state] = cid
+                self._cv.notify_all()
+
+    def is_pending(self, state: Any) -> bool:
+        """Its mask is queued or under way."""
+        return state in self._queue or state is self._building
+
+    def forget(self, state: Any) -> None:
+        """Drop `state`'s job not started yet (its request ended); one under way finishes and is dropped."""
+        with self._cv:
+            self._queue.pop(state, None)
+
+    def end_step(self) -> None:
+        """The step touches no grammar any more: hand every claimed runtime back to the helper."""
+        with self._cv:
+            if self._claimed:
+                self._claimed.clear()
+                self._cv.notify_all()
+
+    def wait_progress(self, timeout_s: float) -> float:
+        """Nothing could run: block until the helper finishes a job (or timeout_s), without a spin -> seconds
+        waited. Returns at once when it has nothing to do."""
+        began = time.perf_counter()
+        with self._cv:
+            seen = self._num_done
+            self._cv.wait_for(lambda: self._num_done != seen or self._closing
+                              or (not self._queue and self._busy is None), timeout_s)
+        return time.perf_counter() - began
+
+    def wait_until(self, is_done: Callable[[], bool], timeout_s: float) -> None:
+        """Block until is_done() (checked as each job ends), or timeout_s."""
+        with self._cv:
+            self._cv.wait_for(lambda: is_done() or self._closing, timeout_s)
+
+    def is_busy_with(self, runtime: Any) -> bool:
+        return runtime is self._busy
+
+    def start_urgent(self, states: list) -> None:
+        """Build these states' masks now, ahead of any background job (their runtimes are claimed)."""
+        with self._cv:
+            assert self._urgent is None, "one urgent batch at a time"
+            self._urgent = states
+            for state in states:  # built now: a job queued for them is stale
+                self._queue.pop(state, None)
+            self._cv.notify_all()
+
+    def wait_urgent(self) -> None:
+        with self._cv:
+            while self._urgent is not None and not self._closing:
+                self._cv.wait()
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block until the queue is empty and nothing is being built (benches and tests: a quiet start)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and self._busy is None and self._urgent is None
+                                     and self._num_done > 0, timeout_s)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._queue.clear()
+            self._cv.notify_all()
+        self._thread.join()
+
+    # ----- the helper thread
+
+    def _run(self, prepare: Callable[[], None]) -> None:
+        try:
+            prepare()
+        except Exception:  # noqa: BLE001 - the vocabulary's lazy parts are built again by the first mask that needs them
+            log.warning("preparing the guided vocabulary failed; masks build it when they need it", exc_info=True)
+        with self._cv:
+            self._num_done += 1
+            self._cv.notify_all()
+        while True:
+            with self._cv:
+                job = None
+                while job is None:
+                    if self._closing:
+                        return
+                    if self._urgent is not None:
+                        job = self._urgent
+                        break
+                    for state, cid in self._queue.items():
+                        if state.runtime not in self._claimed:
+                            del self._queue[state]
+                            self._busy = state.runtime
+                            self._building = state
+                            job = (state, cid)
+                            break
+                    else:
+                        self._cv.wait()
+            if isinstance(job, list):
+                for state in job:
+                    _build(state, state.config)
+                with self._cv:
+                    self._urgent = None
+                    self._num_done += 1
+                    self._cv.notify_all()
+                continue
+            began = time.perf_counter()
+            _build(*job)
+            with self._cv:
+                self._busy = self._building = None
+                self._num_done += 1
+                self.num_built += 1
+                self.build_s += time.perf_counter() - began
+                self._cv.notify_all()
+
+
+def _build(state: Any, cid: int) -> None:
+    """A mask that fails to build is kept as the state's failure at `cid`: the step then fails that request alone."""
+    try:
+        state.runtime.build(cid)
+    except Exception as error:  # noqa: BLE001 - this request's grammar: the step raises it in its row (_fail_alone)
+        state.failed = (cid, error)
