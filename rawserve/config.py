@@ -159,6 +159,12 @@ class EngineConfig:
         "help": "MiB of vision-tower outputs kept by image (LRU), so an image sent again is encoded once; 0 "
                 "disables it (every image encoded each time it is reached). Qwen3.5-0.8B's encoding of a "
                 "1920x1080 image takes 8 MiB."})
+    mm_processor_kwargs: str | dict | None = field(default=None, metadata={
+        "help": "Overrides of the checkpoint's image processor bounds (preprocessor_config.json), as vLLM's JSON: "
+                '\'{"max_pixels": 1003520, "min_pixels": 3136}\' or transformers\' \'{"size": {"longest_edge": N, '
+                '"shortest_edge": M}}\' (pixels of one resized image). A lower max_pixels gives a large image fewer '
+                "tokens (and the tower less work) and lowers the memory the core reserves for the tower's largest "
+                "forward; the same size is what transformers' processor gives with these kwargs."})
 
     @property
     def lora_enabled(self) -> bool:
@@ -187,6 +193,40 @@ class EngineConfig:
                 _check(name not in paths, "lora_modules", f"adapter name {name!r} given twice")
                 paths[name] = path
         return paths
+
+    def mm_pixel_bounds(self) -> dict[str, int]:
+        """--mm-processor-kwargs as {"min_pixels": M, "max_pixels": N}, either absent when not given (ValueError
+        naming the flag for anything else: an unknown key, a bound that is not a positive integer, one bound
+        spelled two ways with two values, min above max)."""
+        if self.mm_processor_kwargs is None:
+            return {}
+        name = "mm_processor_kwargs"
+        kwargs = self.mm_processor_kwargs  # a dict from Python (LLM(mm_processor_kwargs={...}), as vLLM's)
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except ValueError as error:
+                raise ValueError(f"{flag(name)}: not JSON ({error})") from None
+        _check(isinstance(kwargs, dict), name, f"expected a JSON object, got {kwargs!r}")
+        unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "size"})
+        _check(not unknown, name, f"rawserve's image processor takes min_pixels, max_pixels and size "
+                                  f"(shortest_edge, longest_edge); not {', '.join(map(repr, unknown))}")
+        size = kwargs.get("size", {})
+        _check(isinstance(size, dict), name, f"size must be an object, got {size!r}")
+        unknown = sorted(set(size) - {"shortest_edge", "longest_edge"})
+        _check(not unknown, name, f"size takes shortest_edge and longest_edge; not {', '.join(map(repr, unknown))}")
+        bounds: dict[str, int] = {}
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            given = {k: v for k, v in ((key, kwargs.get(key)), (f"size.{edge}", size.get(edge))) if v is not None}
+            for spelled, value in given.items():
+                _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                       f"{spelled} must be a positive integer (pixels), got {value!r}")
+            _check(len(set(given.values())) <= 1, name, f"{key} and size.{edge} are the same bound; they differ")
+            if given:
+                bounds[key] = next(iter(given.values()))
+        _check(bounds.get("min_pixels", 0) <= bounds.get("max_pixels", bounds.get("min_pixels", 0)), name,
+               f"min_pixels {bounds.get('min_pixels')} exceeds max_pixels {bounds.get('max_pixels')}")
+        return bounds
 
     def speculative(self) -> SpeculativeConfig | None:
         """--speculative-config parsed and checked (ValueError naming the flag), or None without it."""
@@ -254,6 +294,7 @@ class EngineConfig:
         _check(self.encoder_cache_mb >= 0, "encoder_cache_mb", f"must be >= 0, got {self.encoder_cache_mb}")
         self.lora_paths()
         self.speculative()
+        self.mm_pixel_bounds()
 
 
 # --speculative-config's methods: what a proposer drafts from (draft_model: {"model": DIR}; mtp: a Qwen3.5

@@ -123,7 +123,8 @@ class OpenAIServer:
         self.chat_template = load_chat_template(model_dir, server_config.chat_template)
         self.defaults = generation_defaults(model_dir, self.tokenizer, server_config.generation_config)
         self.images = ImageReader.for_checkpoint(model_dir, self.tokenizer.token_to_id,
-                                                 MediaLimits.from_config(server_config), self.model_name)
+                                                 MediaLimits.from_config(server_config), self.model_name,
+                                                 engine_config.mm_pixel_bounds())
         # generate, embed or rerank: which routes answer (the core reads the same files for how it pools)
         self.pooling = read_pooling_spec(model_dir, engine_config.runner, engine_config.pooling)
         # Named, not imported: the core (and torch) loads only in the core's thread or process.

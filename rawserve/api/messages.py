@@ -96,19 +96,25 @@ def _system_text(system: str | list[dict] | None) -> str | None:
     return "\n".join(texts) or None
 
 
-def _tool_result_text(block: dict, param: str) -> str:
+def _tool_result_content(block: dict, param: str) -> str | list[dict]:
+    """A tool_result's content as a tool message's: its text (blocks joined by newlines) or, with images, chat's
+    parts in order (a template renders a tool message's image parts as a user message's: Qwen3.5's inside its
+    <tool_response>)."""
     content = block.get("content")
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise _bad(f"{param}.content", "Input should be a string or an array of content blocks.")
-    texts = []
+    parts = []
     for k, part in enumerate(content):
         kind = _block_type(part, f"{param}.content.{k}")
-        if kind != "text":
-            raise _unsupported(kind, f"{param}.content.{k}", "text blocks in a tool_result")
-        texts.append(_str_field(part, "text", f"{param}.content.{k}"))
-    return "\n".join(texts)
+        if kind == "text":
+            parts.append({"type": "text", "text": _str_field(part, "text", f"{param}.content.{k}")})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(part, f"{param}.content.{k}")}})
+        else:
+            raise _unsupported(kind, f"{param}.content.{k}", "text and image blocks in a tool_result")
+    return _user_content(parts) if parts else ""
 
 
 def _image_url(block: dict, param: str) -> str:
@@ -156,7 +162,7 @@ def _user_turn(blocks: list, param: str) -> list[ChatMessage]:
                 out.append(ChatMessage("user", _user_content(parts)))
                 parts = []
             call_id = _str_field(block, "tool_use_id", f"{param}.{j}")
-            out.append(ChatMessage("tool", _tool_result_text(block, f"{param}.{j}"), tool_call_id=call_id))
+            out.append(ChatMessage("tool", _tool_result_content(block, f"{param}.{j}"), tool_call_id=call_id))
         else:
             raise _unsupported(kind, f"{param}.{j}", "text, image and tool_result blocks in a user message")
     if parts:
@@ -165,10 +171,21 @@ def _user_turn(blocks: list, param: str) -> list[ChatMessage]:
 
 
 def image_params(req: MessagesRequest) -> list[str]:
-    """Each image block's path, in the order chat_messages keeps them (images come only in user turns)."""
-    return [f"messages.{i}.content.{j}" for i, message in enumerate(req.messages or ())
-            if message.get("role") == "user" and isinstance(message.get("content"), list)
-            for j, block in enumerate(message["content"]) if isinstance(block, dict) and block.get("type") == "image"]
+    """Each image block's path, in the order chat_messages keeps them: images come only in user turns, directly
+    or inside a tool_result's content, and a turn's messages keep its blocks' order."""
+    params = []
+    for i, message in enumerate(req.messages or ()):
+        if message.get("role") != "user" or not isinstance(message.get("content"), list):
+            continue
+        for j, block in enumerate(message["content"]):
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "image":
+                params.append(f"messages.{i}.content.{j}")
+            elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+                params += [f"messages.{i}.content.{j}.content.{k}" for k, part in enumerate(block["content"])
+                           if isinstance(part, dict) and part.get("type") == "image"]
+    return params
 
 
 def _assistant_turn(blocks: list, param: str) -> ChatMessage:

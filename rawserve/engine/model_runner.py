@@ -242,7 +242,8 @@ class ModelRunner:
         self.model.init_rope(self.max_model_len, self.device)
         # A vision-language checkpoint's tower and encoder cache (engine/multimodal); None for text-only models
         self.multimodal = (MultiModalManager.load(config.model_dir, cfg, self.dtype, self.device,
-                                                  cache_bytes=config.encoder_cache_mb << 20)
+                                                  cache_bytes=config.encoder_cache_mb << 20,
+                                                  pixel_bounds=config.mm_pixel_bounds())
                            if cfg.vision is not None else None)
         self.lora: LoraWeights | None = None
         if config.lora_enabled:
@@ -345,7 +346,8 @@ class ModelRunner:
         if cfg.vision is None:
             return text_step
         return step_bytes_with_images(self.config.model_dir, cfg.vision, self.dtype, text_step,
-                                      self.config.max_num_batched_tokens, self.config.encoder_cache_mb << 20)
+                                      self.config.max_num_batched_tokens, self.config.encoder_cache_mb << 20,
+                                      self.config.mm_pixel_bounds())
 
     def _profile_step(self) -> int:
         """Bytes one worst-case step needs beyond what is resident: a forward over --max-num-batched-tokens

@@ -69,6 +69,22 @@ def decode(data: bytes, param: str, max_pixels: int) -> DecodedImage:
     except (OSError, SyntaxError, ValueError, EOFError, struct.error) as error:
         # Pillow's decoders report truncated or corrupt data as any of these.
         raise APIError(400, f"The image data is corrupt: {error}.", param=param, code="invalid_image") from None
+    return _decoded(width, height, rgb)
+
+
+def from_pil(image) -> DecodedImage:
+    """An image already decoded by the caller (a PIL.Image, as the offline LLM's multi_modal_data takes it) as
+    RGB, converted as `decode` converts; ValueError for anything else."""
+    image_module = pillow()
+    if not isinstance(image, image_module.Image):
+        raise ValueError(f"expected a PIL.Image.Image, got {type(image).__name__}")
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise ValueError(f"the image is {width}x{height} pixels: empty")
+    return _decoded(width, height, _to_rgb(image_module, image).tobytes())
+
+
+def _decoded(width: int, height: int, rgb: bytes) -> DecodedImage:
     digest = hashlib.sha256(struct.pack("<II", width, height))
     digest.update(rgb)
     return DecodedImage(width, height, rgb, digest.digest())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rawserve.engine.mm_inputs import image_token_count, smart_resize
@@ -42,18 +43,26 @@ class ImageProcessorRules:
                                                                 self.merge_size)
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> ImageProcessorRules | None:
+    def from_dir(cls, model_dir: str | os.PathLike, pixel_bounds: Mapping[str, int] | None = None
+                 ) -> ImageProcessorRules | None:
         """The rules of a checkpoint with a vision tower (config.json has a vision_config); None for a text-only
         one. preprocessor_config.json wins where it speaks; min_pixels/max_pixels there override size's
-        shortest_edge/longest_edge, as transformers' processor does."""
+        shortest_edge/longest_edge, as transformers' processor does. `pixel_bounds` (--mm-processor-kwargs,
+        EngineConfig.mm_pixel_bounds) override both, as kwargs to transformers' processor do."""
         config = _read_json(os.path.join(model_dir, "config.json")) or {}
         vision = config.get("vision_config")
         if not isinstance(vision, dict):
+            if pixel_bounds:
+                raise ProcessorConfigError(f"--mm-processor-kwargs: {model_dir} has no vision tower, so no image "
+                                           "processor to override")
             return None
         pre = _read_json(os.path.join(model_dir, "preprocessor_config.json")) or {}
         size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
         min_pixels = pre.get("min_pixels", size.get("shortest_edge", DEFAULT_MIN_PIXELS))
         max_pixels = pre.get("max_pixels", size.get("longest_edge", DEFAULT_MAX_PIXELS))
+        pixel_bounds = pixel_bounds or {}
+        min_pixels = pixel_bounds.get("min_pixels", min_pixels)
+        max_pixels = pixel_bounds.get("max_pixels", max_pixels)
         rules = cls(patch_size=pre.get("patch_size", vision.get("patch_size", 14)),
                     merge_size=pre.get("merge_size", vision.get("spatial_merge_size", 2)),
                     temporal_patch_size=pre.get("temporal_patch_size", vision.get("temporal_patch_size", 2)),
@@ -65,8 +74,9 @@ class ImageProcessorRules:
                 raise ProcessorConfigError(f"{model_dir}: the image processor's {name} must be a positive integer, "
                                            f"got {value!r}")
         if rules.min_pixels > rules.max_pixels:
+            by = " (with --mm-processor-kwargs)" if pixel_bounds else ""
             raise ProcessorConfigError(f"{model_dir}: the image processor's min_pixels {rules.min_pixels} exceeds "
-                                       f"max_pixels {rules.max_pixels}")
+                                       f"max_pixels {rules.max_pixels}{by}")
         if rules.image_token_id is not None and (not isinstance(rules.image_token_id, int)
                                                  or isinstance(rules.image_token_id, bool)):
             raise ProcessorConfigError(f"{model_dir}: config.json's image_token_id must be an integer")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rawserve.api.media.decode import DecodedImage, decode, require_pillow
@@ -58,10 +59,11 @@ class ImageReader:
 
     @classmethod
     def for_checkpoint(cls, model_dir: str | os.PathLike, token_to_id, limits: MediaLimits,
-                       model_name: str = "the model") -> ImageReader:
-        """The reader for a checkpoint: its processor rules, and its placeholder id from config.json (else the
-        tokenizer's `<|image_pad|>`). ProcessorConfigError when a vision checkpoint has no placeholder token."""
-        rules = ImageProcessorRules.from_dir(model_dir)
+                       model_name: str = "the model", pixel_bounds: Mapping[str, int] | None = None) -> ImageReader:
+        """The reader for a checkpoint: its processor rules (pixel bounds overridden by --mm-processor-kwargs),
+        and its placeholder id from config.json (else the tokenizer's `<|image_pad|>`). ProcessorConfigError when
+        a vision checkpoint has no placeholder token."""
+        rules = ImageProcessorRules.from_dir(model_dir, pixel_bounds)
         token_id = None
         if rules is not None:
             token_id = rules.image_token_id if rules.image_token_id is not None else token_to_id(IMAGE_PLACEHOLDER)

@@ -1,4 +1,5 @@
 """Offline API: `LLM(model_dir, **engine_options).generate(prompts, params)` drives an EngineCore to completion.
+A prompt may carry images as vLLM's do: {"prompt": ..., "multi_modal_data": {"image": PIL.Image or a list}}.
 
 The in-process frontend: it tokenizes text prompts, checks each request's rules, fans out n samples, and folds the
 OutputProcessor's decisions into results. It builds the core through the seam's CoreFactory, so the core (and
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from rawserve.config import EngineConfig
 from rawserve.engine.frontend.output_processor import OutputProcessor
 from rawserve.engine.launch import CoreFactory
+from rawserve.engine.mm_inputs import ImageInput, MultiModalInputs, expand_placeholders
 from rawserve.engine.rules import check_request, samples
 from rawserve.engine.types import SamplingParams, TokenLogprob
 
@@ -62,6 +64,7 @@ class LLM:
         self.core = CoreFactory(self.config)()
         self._tokenizer = None
         self._tokenizer_loaded = False
+        self._image_rules = None  # (ImageProcessorRules, placeholder id), read at the first image
         self._ids = itertools.count()
 
     @property
@@ -72,11 +75,15 @@ class LLM:
             self._tokenizer = _load_tokenizer(self.model_dir)
         return self._tokenizer
 
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: str | dict | Sequence[int] | Sequence[str | dict | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  priority: int = 0, lora: str | None = None) -> list[GenerationResult]:
-        """Results in prompt order. A prompt is text or a list of token ids; params is one for all prompts
-        or one per prompt; lora names a loaded adapter (--lora-modules) every prompt runs on. Raises ValueError (with nothing left running) if any request is rejected."""
+        """Results in prompt order. A prompt is text or a list of token ids, or vLLM's dict: {"prompt": text} or
+        {"prompt_token_ids": ids}, with "multi_modal_data": {"image": a PIL image or a list of them} on a vision
+        checkpoint (the prompt holds one image placeholder per image, `<|image_pad|>` for the Qwen-VL family, as
+        its chat template renders; each is expanded to the image's tokens, which result.prompt_token_ids shows).
+        params is one for all prompts or one per prompt; lora names a loaded adapter (--lora-modules) every
+        prompt runs on. Raises ValueError (with nothing left running) if any request is rejected."""
         prompt_list = _normalize_prompts(prompts)
         if params is None:
             params = SamplingParams()
@@ -90,8 +97,13 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompt_list, param_list)):
                 if not isinstance(p, SamplingParams):
                     raise ValueError(f"params: expected SamplingParams, got {type(p).__name__}")
+                prompt, images = (prompt.prompt, prompt.images) if isinstance(prompt, _MultiModalPrompt) \
+                    else (prompt, ())
                 text = prompt if isinstance(prompt, str) else None
                 ids = self._encode(prompt) if text is not None else list(prompt)
+                features = None
+                if images:
+                    ids, features = self._place_images(ids, images, f"prompts[{i}]")
                 result = GenerationResult(text, ids)
                 results.append(result)
                 for j, child in enumerate(samples(p)):
@@ -101,7 +113,7 @@ class LLM:
                                             [] if child.logprobs is not None else None)
                     result.outputs.append(completion)
                     running[rid] = _Sample(result, completion, OutputProcessor(rid, self.tokenizer, child))
-                    self.core.add_request(rid, ids, child, priority, lora=lora)
+                    self.core.add_request(rid, ids, child, priority, lora=lora, features=features)
             self._drive(running)
         except BaseException:
             # Leave the engine clean for the next call, whatever interrupted this one.
@@ -114,6 +126,41 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError(f"prompt: {self.model_dir} has no tokenizer.json; pass token ids instead of text")
         return list(self.tokenizer.encode(text))
+
+    def _place_images(self, ids: list[int], images: Sequence, where: str) -> tuple[list[int], MultiModalInputs]:
+        """Each image sized by the checkpoint's processor rules (--mm-processor-kwargs included), as the server
+        sizes a request's, and its placeholder expanded -> (ids, the core's features)."""
+        # Lazily, as the tokenizer: the image rules and Pillow load only for a prompt with images.
+        from rawserve.api.media.decode import from_pil
+        from rawserve.api.media.processor import IMAGE_PLACEHOLDER, ImageProcessorRules
+
+        if self._image_rules is None:
+            rules = ImageProcessorRules.from_dir(self.model_dir, self.config.mm_pixel_bounds())
+            if rules is None:
+                raise ValueError(f"{where}.multi_modal_data: {self.model_dir} has no vision tower; it takes no images")
+            token_id = rules.image_token_id
+            if token_id is None and self.tokenizer is not None:
+                token_id = self.tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+            if token_id is None:
+                raise ValueError(f"{self.model_dir}: neither config.json's image_token_id nor a "
+                                 f"{IMAGE_PLACEHOLDER} token in its tokenizer")
+            self._image_rules = (rules, token_id)
+        rules, token_id = self._image_rules
+        inputs = []
+        for k, image in enumerate(images):
+            try:
+                decoded = from_pil(image)
+                height, width, num_tokens = rules.grid(decoded.height, decoded.width)
+            except ValueError as error:
+                raise ValueError(f"{where}.multi_modal_data.image[{k}]: {error}") from None
+            inputs.append(ImageInput(decoded.content_hash, decoded.width, decoded.height, decoded.rgb, height, width,
+                                     0, num_tokens))
+        try:
+            ids, placed = expand_placeholders(ids, token_id, inputs)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}; write one {IMAGE_PLACEHOLDER} per image where the chat template "
+                             "would put it") from None
+        return ids, MultiModalInputs(placed)
 
     def _drive(self, samples: dict[str, _Sample]) -> None:
         """Step the core until every sample has finished, folding each output into its Completion."""
@@ -143,21 +190,64 @@ class LLM:
                 raise RuntimeError(f"engine went idle with {len(running)} requests unfinished")
 
 
-def _normalize_prompts(prompts) -> list[str | list[int]]:
+@dataclass(frozen=True, slots=True)
+class _MultiModalPrompt:
+    """A dict prompt's text or ids and its images."""
+    prompt: str | list[int]
+    images: tuple
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _dict_prompt(prompt: dict, where: str) -> str | list[int] | _MultiModalPrompt:
+    """vLLM's {"prompt": text} / {"prompt_token_ids": ids}, optionally with {"multi_modal_data": {"image": ...}}."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; expected prompt or "
+                         "prompt_token_ids, and multi_modal_data")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"{where}: give exactly one of prompt (text) and prompt_token_ids")
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}.prompt: expected a string")
+    else:
+        text = prompt["prompt_token_ids"]
+        if not _is_ids(text):
+            raise ValueError(f"{where}.prompt_token_ids: expected a list of token ids")
+        text = list(text)
+    data = prompt.get("multi_modal_data")
+    if data is None:
+        return text
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"{where}.multi_modal_data: expected {{'image': a PIL image or a list of them}}")
+    images = data.get("image")
+    images = tuple(images) if isinstance(images, (list, tuple)) else (images,) if images is not None else ()
+    return _MultiModalPrompt(text, images) if images else text
+
+
+def _normalize_prompts(prompts) -> list[str | list[int] | _MultiModalPrompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, dict):
+        return [_dict_prompt(prompts, "prompts[0]")]
     if not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts: expected a string, a list of token ids, or a non-empty list of those")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        raise ValueError("prompts: expected a string, a list of token ids, a prompt dict, or a non-empty list of those")
+    if _is_ids(prompts):
         return [list(prompts)]
-    out: list[str | list[int]] = []
+    out: list[str | list[int] | _MultiModalPrompt] = []
     for k, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             out.append(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, dict):
+            out.append(_dict_prompt(prompt, f"prompts[{k}]"))
+        elif _is_ids(prompt):
             out.append(list(prompt))
         else:
-            raise ValueError(f"prompts[{k}]: expected a string or a list of token ids")
+            raise ValueError(f"prompts[{k}]: expected a string, a list of token ids or a prompt dict")
     return out
 
 

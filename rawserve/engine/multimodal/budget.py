@@ -4,6 +4,7 @@ manager refuses larger ones and never puts more patches than that in one forward
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Mapping
 
 import torch
 
@@ -55,11 +56,13 @@ def image_rows_bytes(vision: VisionConfig, num_tokens: int, dtype: torch.dtype) 
 
 
 def step_bytes_with_images(model_dir: str | pathlib.Path, vision: VisionConfig, dtype: torch.dtype, text_step: int,
-                           num_batched_tokens: int, cache_bytes: int) -> int:
+                           num_batched_tokens: int, cache_bytes: int,
+                           pixel_bounds: Mapping[str, int] | None = None) -> int:
     """A step's working memory for a vision checkpoint, from its text step's (estimated or measured): the encoder
     cache, full; the larger of the tower's worst forward and the text step; and the image rows either holds (the
-    step's image tokens, and a worst image's fresh encoding, kept whole when the cache cannot take it)."""
-    preprocess = PreprocessConfig.read(model_dir)
+    step's image tokens, and a worst image's fresh encoding, kept whole when the cache cannot take it).
+    pixel_bounds: --mm-processor-kwargs's (EngineConfig.mm_pixel_bounds): a lower max_pixels, a smaller worst."""
+    preprocess = PreprocessConfig.read(model_dir, pixel_bounds=pixel_bounds)
     worst_tokens = preprocess.max_patches // preprocess.merge_size ** 2
     rows = image_rows_bytes(vision, num_batched_tokens + worst_tokens, dtype)
     return cache_bytes + max(tower_step_bytes(vision, preprocess, dtype), text_step) + rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,11 +52,12 @@ class MultiModalManager:
 
     @classmethod
     def load(cls, model_dir: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-             cache_bytes: int) -> MultiModalManager:
+             cache_bytes: int, pixel_bounds: Mapping[str, int] | None = None) -> MultiModalManager:
+        """pixel_bounds: --mm-processor-kwargs's min/max pixels, over preprocessor_config.json's."""
         vision = cfg.vision
         preprocess = PreprocessConfig.read(model_dir, PreprocessConfig(
             patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-            merge_size=vision.spatial_merge_size))
+            merge_size=vision.spatial_merge_size), pixel_bounds)
         if (preprocess.patch_size, preprocess.merge_size, preprocess.temporal_patch_size) != (
                 vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size):
             raise ValueError(f"{model_dir}: preprocessor_config.json's patch/merge/temporal sizes "

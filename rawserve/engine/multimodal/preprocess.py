@@ -5,8 +5,10 @@ Torch only; the size is the server's decision (ImageInput.resized_*), so nothing
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +49,28 @@ class PreprocessConfig:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
     @classmethod
-    def read(cls, model_dir: str | pathlib.Path, defaults: PreprocessConfig | None = None) -> PreprocessConfig:
+    def read(cls, model_dir: str | pathlib.Path, defaults: PreprocessConfig | None = None,
+             pixel_bounds: Mapping[str, int] | None = None) -> PreprocessConfig:
         """From the checkpoint's preprocessor_config.json (ValueError naming the field when one is unusable); the
-        fields it lacks, or all of them without the file, from `defaults` (the vision tower's sizes)."""
+        fields it lacks, or all of them without the file, from `defaults` (the vision tower's sizes).
+        `pixel_bounds` (--mm-processor-kwargs: min_pixels, max_pixels) override the file's, as the server's
+        ImageProcessorRules take them, so the core's bound on one image is the size the server gives it."""
         path = pathlib.Path(model_dir) / "preprocessor_config.json"
         defaults = defaults or cls()
         if not path.is_file():
-            return defaults
+            config = defaults
+        else:
+            config = cls._from_file(path, defaults)
+        if pixel_bounds:
+            config = dataclasses.replace(config, **{k: pixel_bounds[k] for k in ("min_pixels", "max_pixels")
+                                                    if k in pixel_bounds})
+            if config.min_pixels > config.max_pixels:
+                raise ValueError(f"--mm-processor-kwargs: min_pixels {config.min_pixels} exceeds max_pixels "
+                                 f"{config.max_pixels} (one of them the checkpoint's)")
+        return config
+
+    @classmethod
+    def _from_file(cls, path: pathlib.Path, defaults: PreprocessConfig) -> PreprocessConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
         fields = {}
         for name in ("patch_size", "temporal_patch_size", "merge_size"):
