@@ -2,11 +2,13 @@
 1024): preprocessing ms (resize, normalise, patchify in torch) and tower ms per image size, and the time to first
 token with one image (preprocess + tower + the prompt's prefill + the first logits) on the random 0.8B text stack.
 
-python -m bench.vision [--sizes 448x448,1024x768,1920x1080] [--dtype float32] [--reps 3] [--ttft 448x448]
+python -m bench.vision [--sizes 448x448,1024x768,1920x1080] [--dtype float32] [--reps 3] [--slices 2] [--ttft 448x448]:
+tower ms one-shot and as the engine's resumable job in --slices slices, taking turns
 python -m bench.vision --itl 1920x1080 [--streams 8] [--checkpoint DIR]: the decode inter-token gaps of 8 text
-streams through a real EngineCore before and while a request with that image is prefilled (its encoding charged
-to the step budget), and that request's time to first token, on a random Qwen3.5-0.8B-shaped checkpoint with its
-vision tower (written to DIR on first use, about 3.5 GB).
+streams through a real EngineCore before and while a request with that image is prefilled (its encoding a slice per
+step, charged to the step budget), each gap while it is and the encoder's part of it, and that request's time to
+first token, on a random Qwen3.5-0.8B-shaped checkpoint with its vision tower (written to DIR on first use, about
+3.5 GB). With --streams 0 it is a lone image's time to first token through the engine.
 python -m bench.vision --server-ttft 1920x1080 [--checkpoint DIR]: the time to first token of a chat request with
 one such image (a PNG data: URL, a fresh image each run, so the encoder cache never helps) through a live server
 (real sockets, the core in a spawned process) on the same checkpoint: a max_tokens=1 request's whole time (the
@@ -68,6 +70,27 @@ def timed_ms(fn, reps: int) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 2)
+
+
+def paired_ms(fns: list, reps: int) -> list[float]:
+    """Each function's median ms over `reps`, the functions taking turns (a shared box's load hits each alike)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e3)
+    return [round(statistics.median(out), 2) for out in times]
+
+
+def encode_in_slices(tower: VisionTower, patches: torch.Tensor, grid: tuple[int, int], num_slices: int) -> None:
+    """The engine's path (multimodal/encode_job.py): the same forward, resumable, in `num_slices` equal slices."""
+    from rawserve.engine.multimodal.encode_job import EncodeJob
+
+    job = EncodeJob(tower, patches, grid)
+    share = job.remaining_flops / num_slices
+    while not job.advance(share):
+        pass
 
 
 def ttft_ms(tower: VisionTower, picture: ImageInput, dtype: torch.dtype, num_text: int) -> float:
@@ -140,12 +163,16 @@ def itl_while_image(directory: str, size: str, num_streams: int, dtype: str, num
     while any(r.num_output_tokens == 0 for r in core.requests.values()):
         core.step()
 
+    encoder_ms: list[float] = []  # per step: the part of its gap the vision encoder took
+
     def gaps(until) -> list[float]:
         out: list[float] = []
         while not until(out):
+            encoder_s = core.stats().extra["mm_encoder_seconds"]
             start = time.perf_counter()
             core.step()
             out.append((time.perf_counter() - start) * 1e3)
+            encoder_ms.append((core.stats().extra["mm_encoder_seconds"] - encoder_s) * 1e3)
         return out
 
     before = gaps(lambda out: len(out) >= num_steps)
@@ -166,6 +193,8 @@ def itl_while_image(directory: str, size: str, num_streams: int, dtype: str, num
             "itl_p50_ms_before": pct(before, 0.5), "itl_p99_ms_before": pct(before, 0.99),
             "itl_p50_ms_during": pct(during, 0.5), "itl_p99_ms_during": pct(during, 0.99),
             "itl_max_ms_during": round(max(during), 1), "steps_during": len(during), "image_ttft_ms": round(ttft, 1),
+            "gaps_ms_during": [round(v) for v in during],
+            "encoder_ms_during": [round(v) for v in encoder_ms[-len(during):]],
             "encoder_s": round(core.stats().extra["mm_encoder_seconds"], 2)}
 
 
@@ -214,6 +243,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="448x448,1024x768,1920x1080")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--slices", type=int, default=2, help="slices of the resumable encode timed beside the "
+                        "one-shot tower (2: a lone image in the engine, a part beside its text, then the rest)")
     parser.add_argument("--ttft", default="448x448", help="image size for the time to first token ('' to skip)")
     parser.add_argument("--text-tokens", type=int, default=32)
     parser.add_argument("--itl", default="", help="image size prefilled beside decoding text streams (see above)")
@@ -246,9 +277,12 @@ def main() -> None:
         with torch.inference_mode():
             tower(patches, [(gh, gw)])  # warm
         pre = timed_ms(lambda: pixel_patches(picture, PREPROCESS), args.reps)
-        enc = timed_ms(lambda: tower(patches, [(gh, gw)]), args.reps)
+        enc, sliced = paired_ms([lambda: tower(patches, [(gh, gw)]),
+                                 lambda: encode_in_slices(tower, patches, (gh, gw), args.slices)], args.reps)
         print(json.dumps({**base, "image": size, "resized": f"{picture.resized_width}x{picture.resized_height}",
                           "patches": gh * gw, "tokens": picture.num_tokens, "preprocess_ms": pre, "tower_ms": enc,
+                          "slices": args.slices, "sliced_tower_ms": sliced,
+                          "sliced_over_one_shot": round(sliced / enc, 3),
                           "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
     if args.ttft:
         width, height = (int(v) for v in args.ttft.split("x"))

@@ -157,7 +157,7 @@ class EngineConfig:
         "choices": ("auto", "mean", "cls", "last")})
     encoder_cache_mb: int = field(default=256, metadata={
         "help": "MiB of vision-tower outputs kept by image (LRU), so an image sent again is encoded once; 0 "
-                "disables it (every image encoded each time it is reached). Qwen3.5-0.8B's encoding of a "
+                "disables it (an image encoded again for each request that sends it). Qwen3.5-0.8B's encoding of a "
                 "1920x1080 image takes 8 MiB."})
     mm_processor_kwargs: str | dict | None = field(default=None, metadata={
         "help": "Overrides of the checkpoint's image processor bounds (preprocessor_config.json), as vLLM's JSON: "

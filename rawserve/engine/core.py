@@ -76,7 +76,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_loras=config.max_loras if config.lora_enabled else 0,
                                    whole_prompts=is_encoder, states=self.states,
-                                   encoder_costs=self.multimodal.encoder_costs if self.multimodal is not None else None)
+                                   encoder=self.multimodal.encodes if self.multimodal is not None else None)
         # the adapters requests may name, their users and run-time loads (the scheduler's LoraSlots place them)
         self.loras = LoraRegistry(config, self.runner.model_config, self.scheduler,
                                   is_enabled=self.runner.lora is not None)
@@ -269,6 +269,8 @@ class EngineCore:
         self.steps += 1
         if self.governor is not None:
             self.governor.tick()
+        if self.multimodal is not None:  # the encoder slice the schedule charged
+            self.multimodal.encodes.advance()
         if not scheduled:
             if self._deferred:  # only rows waiting for their masks: sample those built, else wait for one (no spin)
                 outputs = self._sample_deferred()

@@ -10,10 +10,14 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.request import Request, RequestStatus
 from rawserve.engine.state_cache import StateCacheManager
+
+if TYPE_CHECKING:
+    from rawserve.engine.multimodal.encode_queue import EncodeQueue
 
 
 class LoraSlots:
@@ -76,8 +80,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.monotonic, max_loras: int = 0, whole_prompts: bool = False,
-                 states: StateCacheManager | None = None,
-                 encoder_costs: Callable[[Request, int, int], list[tuple[int, int]]] | None = None) -> None:
+                 states: StateCacheManager | None = None, encoder: EncodeQueue | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -102,9 +105,9 @@ class Scheduler:
         # A hybrid model's state slots: a running request holds one, so admission also waits for a free slot; a
         # prefix hit is cut to the longest prefix with a saved state, and prompts are cut at their save edge.
         self.states = states
-        # A vision model's images still to encode in a token range, as (first token, cost in tokens)
-        # (MultiModalManager.encoder_costs): their encoding is charged to the step's budget (_charge_encoder).
-        self.encoder_costs = encoder_costs
+        # A vision model's encode queue (MultiModalManager.encodes): no chunk runs past an image not encoded yet, and
+        # the encoding a waiting request needs takes the budget its chunk leaves (_charge_encoder).
+        self.encoder = encoder
         # Set by EngineCore once it serves guided requests: False for a running request that must sit this step out
         # (its sample waits for its grammar mask); it keeps its KV and its place, and runs in a later step.
         self.ready: Callable[[Request], bool] | None = None
@@ -145,6 +148,8 @@ class Scheduler:
         self.kv.free(req.block_ids)
         if self.states is not None:
             self.states.release(req)
+        if self.encoder is not None and req.features is not None:
+            self.encoder.drop(req)
 
     def take_queue_times(self) -> list[tuple[str, float]]:
         """(rid, seconds from queued to first scheduled) for each request the last schedule() admitted for
@@ -171,6 +176,8 @@ class Scheduler:
         self._release_lora(req)
         if self.states is not None:
             self.states.release(req)  # recomputed from its first token, or from a saved state, on resuming
+        if self.encoder is not None and req.features is not None:
+            self.encoder.drop(req)  # its image's job, unless another request waits on it too
         req.num_computed_tokens = 0
         req.num_published_blocks = 0
         if not req.prompt_logprobs_done:
@@ -180,16 +187,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _charge_encoder(self, req: Request, start: int, num_new: int, budget: int) -> tuple[int, int]:
-        """A chunk [start, start + num_new) of a prompt with images -> (its tokens, the encoder cost it is charged):
-        cut before the first image not yet encoded whose cost would pass the budget, so that image starts a later
-        step with more of the budget (and the text before it runs now). A chunk that starts at such an image runs
-        with it whatever the cost, or the image would never start."""
-        charged = 0
-        for first, cost in self.encoder_costs(req, start, start + num_new):
-            if first > start and num_new + charged + cost > budget:
-                return first - start, charged
-            charged += cost
-        return num_new, charged
+        """A chunk [start, start + num_new) of a prompt with images -> (its tokens, the budget encoding takes): cut
+        before the first image whose encoding is not complete; the encoder then works on it with the budget the
+        chunk leaves, a slice of the tower per step (multimodal/encode_queue.py). A chunk cut to nothing leaves the
+        request out of the step's forward while its image encodes."""
+        num_ready = self.encoder.ready_tokens(req, start, num_new)
+        if num_ready == num_new:
+            return num_new, 0
+        return num_ready, self.encoder.charge(budget - num_ready)
 
     def schedule(self) -> list[tuple[Request, int]]:
         if self._has_finished_running:
@@ -219,8 +224,11 @@ class Scheduler:
             if states is not None:
                 num_new = states.chunk_limit(req, req.num_computed_tokens, num_new)
             charged = 0
-            if self.encoder_costs is not None and req.features is not None:
+            if self.encoder is not None and req.features is not None:
                 num_new, charged = self._charge_encoder(req, req.num_computed_tokens, num_new, budget)
+                if num_new == 0:
+                    budget -= charged
+                    continue
             while not kv.allocate(req.block_ids, req.num_computed_tokens + num_new):
                 if num_new > req.num_tokens - req.num_computed_tokens:  # drafts never cost anyone their blocks
                     num_new = req.num_tokens - req.num_computed_tokens
@@ -264,7 +272,7 @@ class Scheduler:
                 if states is not None:
                     num_new = states.chunk_limit(req, num_cached, num_new)
                 charged = 0
-                if self.encoder_costs is not None and req.features is not None:
+                if self.encoder is not None and req.features is not None:
                     num_new, charged = self._charge_encoder(req, num_cached, num_new, budget)
                 if self.whole_prompts and num_new < num_tokens - num_cached:
                     self._release_lora(req)
@@ -284,7 +292,8 @@ class Scheduler:
                 req.num_published_blocks = len(hits)
                 req.status = RequestStatus.RUNNING
                 bisect.insort(self.running, req, key=Request.sort_key)
-                scheduled[req] = num_new
+                if num_new:  # else it runs once its image is encoded
+                    scheduled[req] = num_new
                 budget -= num_new + charged
             for entry in parked:
                 heapq.heappush(waiting, entry)

@@ -1,12 +1,13 @@
 """A vision tower in the core's memory plan: its weights count in the up-front check, its worst forward (the
 largest image the processor gives) bounds the step's working memory and is measured to stay under that bound,
-the resize's largest area is never exceeded, and the manager neither takes a larger image nor puts more than
-one such image's patches in one forward."""
+the resize's largest area is never exceeded, and the manager neither takes a larger image nor encodes more than
+one image at a time."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from rawserve.engine.mm_inputs import (ImageInput, ImageTooOdd, MultiModalInputs
 from rawserve.engine.model_runner import weight_bytes
 from rawserve.engine.models.vision import VisionTower, load_vision_tower
 from rawserve.engine.multimodal.budget import tower_step_bytes, vision_weight_bytes
+from rawserve.engine.multimodal.encode_job import EncodeJob, encode_flops
 from rawserve.engine.multimodal.manager import MultiModalManager
 from rawserve.engine.multimodal.prefix_keys import image_key
 from rawserve.engine.multimodal.preprocess import PreprocessConfig, pixel_patches
@@ -122,21 +124,54 @@ def test_a_forward_over_the_largest_image_stays_under_its_estimate():
         tower(patches, [(gh, gw)])
     peak = memory.rss_bytes("VmHWM") - before
     assert 0 < peak <= tower_step_bytes(TOWER, pre, torch.float32)
+    del patches
+    memory.reset_peak_rss()
+    before = memory.rss_bytes()
+    patches, (_, gh, gw) = pixel_patches(picture, pre)
+    job = EncodeJob(tower, patches, (gh, gw))  # the engine's path: the same forward kept resumable, run whole
+    del patches
+    job.advance(job.remaining_flops)
+    peak = memory.rss_bytes("VmHWM") - before
+    assert job.is_done and 0 < peak <= tower_step_bytes(TOWER, pre, torch.float32)
 
 
-def test_the_manager_refuses_a_larger_image_and_encodes_at_most_one_largest_per_forward():
+def test_the_manager_refuses_a_larger_image_and_encodes_one_image_at_a_time(monkeypatch):
+    from rawserve.engine.multimodal import encode_queue
+    from rawserve.engine.request import Request
+    from rawserve.engine.types import SamplingParams
+
     pre = dataclasses.replace(PreprocessConfig(), min_pixels=64 * 64, max_pixels=512 * 512)
     tower = random_tower()
-    manager = MultiModalManager(tower, pre, TOWER.image_token_id, cache_bytes=0)
-    a, b, c = image(500, 400, pre), image(400, 500, pre, offset=400), image(64, 64, pre, offset=800)
-    per_image = a.num_tokens * 4
-    assert per_image <= pre.max_patches < 2 * per_image
-    lengths = []
-    forward = tower.forward
-    tower.forward = lambda patches, grids: (lengths.append(len(patches)), forward(patches, grids))[1]
-    found = manager._encoded([a, b, c], set())
-    assert len(lengths) == 2 and max(lengths) <= pre.max_patches  # a alone, then b with the small c
-    assert [found[image_key(x)].embeds.shape[0] for x in (a, b, c)] == [a.num_tokens, b.num_tokens, c.num_tokens]
+    manager = MultiModalManager(tower, pre, TOWER.image_token_id, cache_bytes=0, text_flops_per_token=1e6)
+    a = image(500, 400, pre)
+    b = image(400, 500, pre, offset=a.num_tokens + 1)
+    c = image(64, 64, pre, offset=b.offset + b.num_tokens + 1)
+    ids = [TOWER.image_token_id] * a.num_tokens + [1] + [TOWER.image_token_id] * b.num_tokens + [1] + \
+        [TOWER.image_token_id] * c.num_tokens
+    features = MultiModalInputs((a, b, c))
+    manager.check(ids, features)
+    assert a.num_tokens * 4 <= pre.max_patches < 2 * a.num_tokens * 4
+    rows = []
+
+    class Recorded(encode_queue.EncodeJob):
+        def __init__(self, tower, patches, grid) -> None:
+            rows.append(len(patches))
+            super().__init__(tower, patches, grid)
+
+    monkeypatch.setattr(encode_queue, "EncodeJob", Recorded)
+    req = Request("r", ids, SamplingParams(max_tokens=1), features=features)
+    encodes = manager.encodes
+    assert encodes.ready_tokens(req, 0, len(ids)) == 0 and encodes.num_wanted == 3
+    for done, x in enumerate((a, b, c), 1):  # each step's budget just one image's forward: that image, whole
+        assert encodes.charge(math.ceil(encode_flops(tower.cfg, x.num_tokens * 4) / 1e6)) > 0
+        encodes.advance()
+        assert encodes.num_jobs == 0 and encodes.num_wanted == 3 - done and len(rows) == done
+    assert max(rows) <= pre.max_patches  # one image in flight: at most the forward the memory plan counts
+    assert encodes.ready_tokens(req, 0, len(ids)) == len(ids)
+    assert [encodes.entry(image_key(x)).embeds.shape[0] for x in (a, b, c)] == [a.num_tokens, b.num_tokens,
+                                                                                 c.num_tokens]
+    encodes.drop(req)
+    assert encodes.num_held == 0  # the cache is off: nothing is kept once the request lets go
     huge = dataclasses.replace(a, resized_width=1024, resized_height=1024, num_tokens=1024)
     ids = [TOWER.image_token_id] * 1024
     with pytest.raises(ValueError, match="larger than the image processor gives"):

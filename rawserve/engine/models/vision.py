@@ -101,25 +101,40 @@ class VisionBlock(Linears):
                  "mlp.linear_fc2.weight": self.fc2_weight, "mlp.linear_fc2.bias": self.fc2_bias}
         return {f"{prefix}.{name}": (param, 0, param.shape[0]) for name, param in names.items()}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """x: [patches, hidden] (images one after another, `lengths` patches each); cos, sin: [patches, 1, D]."""
+    # The block in two parts, so that a resumable encode (multimodal/encode_job.py) can run it a slice of rows at a
+    # time: everything but attention is row-wise, and attention needs every row's K and V before any row's output.
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows x [n, hidden] (cos, sin [n, 1, D]) -> their q, k, v, each [n, heads, D], q and k rotated."""
         n, hidden = x.shape
         h = F.layer_norm(x, (hidden,), self.norm1_weight, self.norm1_bias, 1e-6)
         q, k, v = self.linear(h, "qkv_weight", self.qkv_bias).view(n, 3, self.num_heads, -1).unbind(1)
-        # [1, heads, patches, D]: torch's fused (flash) CPU attention wants 4-D inputs; 3-D ones take the math path,
-        # which holds a [heads, patches, patches] score matrix (3.2 GB and 10x the time at 1920x1080)
-        q, k = _rotate(q, cos, sin).transpose(0, 1).unsqueeze(0), _rotate(k, cos, sin).transpose(0, 1).unsqueeze(0)
-        v = v.transpose(0, 1).unsqueeze(0)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The block's output for some rows of one image: x [n, hidden] their input, q [n, heads, D] theirs, k and
+        v [patches, heads, D] the whole image's."""
+        n, hidden = x.shape
+        # [1, heads, n, D] views of the row-major [n, heads, D]: torch's fused (flash) CPU attention wants 4-D inputs;
+        # 3-D ones take the math path, which holds a [heads, n, patches] score matrix (3.2 GB and 10x the time at
+        # 1920x1080)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).reshape(n, hidden)
+        x = x + self.linear(attn, "proj_weight", self.proj_bias)
+        h = F.layer_norm(x, (hidden,), self.norm2_weight, self.norm2_bias, 1e-6)
+        return x + self.linear(self.act(self.linear(h, "fc1_weight", self.fc1_bias)), "fc2_weight", self.fc2_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x: [patches, hidden] (images one after another, `lengths` patches each); cos, sin: [patches, 1, D]."""
+        q, k, v = self.qkv(x, cos, sin)
         out = []
         start = 0
         for length in lengths:  # each image attends to its own patches only
             sl = slice(start, start + length)
-            out.append(F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl]))
+            out.append(self.attend(x[sl], q[sl], k[sl], v[sl]))
             start += length
-        attn = (torch.cat(out, dim=2) if len(out) > 1 else out[0])[0].transpose(0, 1).reshape(n, hidden)
-        x = x + self.linear(attn, "proj_weight", self.proj_bias)
-        h = F.layer_norm(x, (hidden,), self.norm2_weight, self.norm2_bias, 1e-6)
-        return x + self.linear(self.act(self.linear(h, "fc1_weight", self.fc1_bias)), "fc2_weight", self.fc2_bias)
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -206,14 +221,20 @@ class VisionTower(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         return pos.to(self.dtype), torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
-    @torch.inference_mode()
-    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def embed(self, patches: torch.Tensor, grids: list[tuple[int, int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 patches [N, patch_dim] -> the first block's input [N, hidden] and the rotary cos, sin [N, 1, D]."""
         device = self.patch_weight.device
         patches = patches.to(device=device, dtype=self.dtype)
         x = F.linear(patches, self.patch_weight, self.patch_bias)  # [N, hidden]
         tables = [self._grid_tables(gh, gw, device) for gh, gw in grids]
-        x = x + torch.cat([t[0] for t in tables])
-        cos, sin = torch.cat([t[1] for t in tables]), torch.cat([t[2] for t in tables])
+        pos, cos, sin = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*tables))
+        return x + pos, cos, sin
+
+    @torch.inference_mode()
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """In one go; multimodal/encode_job.py runs the same blocks and mergers a slice of rows at a time."""
+        x, cos, sin = self.embed(patches, grids)
         lengths = [gh * gw for gh, gw in grids]
         deepstack = []
         indexes = self.cfg.deepstack_indexes

@@ -23,6 +23,17 @@ def vision_weight_bytes(model_dir: str | pathlib.Path, dtype: torch.dtype) -> in
                if entry.name.startswith(VISION_PREFIX) and entry.dtype.is_floating_point)
 
 
+def text_flops_per_token(model_dir: str | pathlib.Path) -> float:
+    """A prompt token's matmul FLOPs in the text model, 2 per weight of its layers (the embedding, a lookup, and the
+    head, which runs on sampled rows only, left out): the rate at which the scheduler's token budget buys vision
+    encoder work (encode_job.encode_flops)."""
+    left_out = (VISION_PREFIX, "mtp.", "model.mtp.", "lm_head.")
+    return 2.0 * sum(entry.num_bytes // entry.dtype.itemsize for file in safetensors_files(model_dir)
+                     for entry in read_safetensors_header(file)
+                     if len(entry.shape) >= 2 and not entry.name.startswith(left_out)
+                     and not entry.name.endswith("embed_tokens.weight"))
+
+
 def tower_step_bytes(vision: VisionConfig, preprocess: PreprocessConfig, dtype: torch.dtype) -> int:
     """Working memory of one forward over the largest image (preprocess.max_patches patches), per patch:
     - preprocessing: the resized uint8 pixels, then in float32 the pixels, three normalising temporaries and the

@@ -1,6 +1,6 @@
 """EncoderCache: the vision tower's outputs by image key, LRU-bounded in bytes, so an image sent again (a
-multi-turn chat about one picture, a prompt chunked across steps) is encoded once. Tensors in, tensors out;
-when to encode is the manager's decision."""
+multi-turn chat about one picture) is encoded once. Tensors in, tensors out; when to encode is the encode
+queue's decision."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -23,7 +23,7 @@ class EncodedImage:
 
 class EncoderCache:
     """Least recently used first out once the entries pass max_bytes. An entry larger than the whole bound is
-    not kept (the step that encoded it still uses it)."""
+    not kept (the requests that waited on it still hold it: encode_queue.py)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -31,8 +31,6 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._entries: OrderedDict[bytes, EncodedImage] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -40,15 +38,11 @@ class EncoderCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def get(self, key: bytes, count: bool = True) -> EncodedImage | None:
-        """The entry, freshly used, or None. count: whether this lookup counts as a hit or miss (a request's
-        later chunks of an image read it again; only its first reach of the image counts)."""
+    def get(self, key: bytes) -> EncodedImage | None:
+        """The entry, freshly used, or None. (Hits and misses are counted per request by the encode queue.)"""
         entry = self._entries.get(key)
-        if entry is None:
-            self.misses += count
-            return None
-        self.hits += count
-        self._entries.move_to_end(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
         return entry
 
     def put(self, key: bytes, entry: EncodedImage) -> None:
