@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=48)
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
-    parser.add_argument("--disable-by-batch-size", type=int, default=defaults["disable_by_batch_size"])
+    parser.add_argument("--disable-by-batch-size", type=int, default=defaults["disable_by_batch_size"],
+                        help="a fixed batch size with no drafts; default: measured at run time (BatchPolicy)")
     parser.add_argument("--num-threads", default="auto")
     parser.add_argument("--ngram", action="store_true", help="also n-gram (its defaults) on prompts repeating a "
                         "phrase; every scenario then gets those prompts")
@@ -118,9 +119,11 @@ def main() -> None:
                 else:
                     spec = {"method": "synthetic", "num_speculative_tokens": k, "acceptance_length": length,
                             "min_acceptance": 0, "seed": seed}
-                core.spec = None if k is None else SpecDecoder(SpeculativeConfig.from_dict({
-                    **spec, "disable_by_batch_size": args.disable_by_batch_size}), core.blocks, core.max_model_len,
-                    core.states, mtp if length == "mtp" else None)
+                if args.disable_by_batch_size is not None:
+                    spec["disable_by_batch_size"] = args.disable_by_batch_size
+                core.spec = None if k is None else SpecDecoder(SpeculativeConfig.from_dict(spec), core.blocks,
+                                                               core.max_model_len, core.states,
+                                                               mtp if length == "mtp" else None)
                 run = decode_run(core, streams, args.input_len, args.output_len, seed, repeat=args.ngram)
                 method = "plain" if k is None else length if length in ("ngram", "mtp") else "synthetic"
                 line = {"streams": streams, "method": method, "k": k, "L": None if method != "synthetic" else length,
@@ -130,6 +133,8 @@ def main() -> None:
                     c = core.spec.counters
                     line["measured_L"] = round(1 + c.num_accepted_tokens / c.num_drafts, 2) if c.num_drafts else None
                     line["steps_off_by_batch"] = c.num_steps_off_by_batch
+                    if core.spec.policy is not None:
+                        line["policy"] = core.spec.policy.stats()
                 runs.setdefault((streams, k, length), []).append(run)
                 print(json.dumps(line), flush=True)
         for key, group in runs.items():

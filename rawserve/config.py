@@ -142,8 +142,9 @@ class EngineConfig:
                 "KV pool, indexed by the target's block ids); {\"method\": \"mtp\", \"num_speculative_tokens\": k}: "
                 "a Qwen3.5 checkpoint's own multi-token-prediction layer (mtp.*) drafts greedily from the target's "
                 "hidden states. Optional \"disable_by_batch_size\" "
-                "(no drafts once that many rows decode) and \"min_acceptance\" (a row drafting fewer accepted "
-                "tokens per step pauses). Verified in one target step; greedy output is unchanged and sampling "
+                "(no drafts once that many rows decode; by default that is measured: drafting stays on while timed "
+                "drafted steps out-produce plain ones at the batch's size) and \"min_acceptance\" (a row drafting "
+                "fewer accepted tokens per step pauses). Verified in one target step; greedy output is unchanged and sampling "
                 "keeps the target's distribution."})
     runner: str = field(default="auto", metadata={
         "help": "What the checkpoint serves: auto|generate|embed|rerank. auto: a BERT-family encoder embeds (reranks "
@@ -310,12 +311,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    acceptance_length: float = 1.0  # synthetic: mean tokens per verified step, the target's own token included
-    # No drafts in a step where at least this many rows decode: the step is compute-bound there, and verifying
-    # k more positions per row costs nearly k more tokens' work. bench/spec.py, Qwen3-0.6B shape, bf16, one thread
-    # on a loaded 2-core box, k = 4: a verify step cost 1.0-1.3x a plain one at 1 stream and 1.9x at 8 streams,
-    # where only L >= 2.3 gained (1.29x at L = 3, 0.52x at L = 1).
-    disable_by_batch_size: int = 8
+    # synthetic: mean tokens per verified step, the target's own token included; with a draft model or MTP (for
+    # benchmarks, as llama.cpp's --spec-synth-len over real drafts) their acceptance drawn at that mean
+    acceptance_length: float = 1.0
+    # No drafts in a step where at least this many rows decode (the step is compute-bound there). None: measured
+    # at run time per batch size (engine/spec/policy.py BatchPolicy, from timed drafted and plain steps).
+    disable_by_batch_size: int | None = None
     # A row whose drafts win fewer accepted tokens per step than this (an average over its recent steps) stops
     # drafting for a while, then tries again: its drafts cost a wider step and buy nothing.
     min_acceptance: float = 0.1
@@ -356,7 +357,7 @@ class SpeculativeConfig:
         _check(config.prompt_lookup_min <= config.prompt_lookup_max, name,
                f"prompt_lookup_min ({config.prompt_lookup_min}) must be <= prompt_lookup_max "
                f"({config.prompt_lookup_max})")
-        if method == "synthetic":
+        if method == "synthetic" or "acceptance_length" in spec:  # a draft model's or MTP's: benchmarks' forcing
             _check(1 <= config.acceptance_length <= k + 1, name,
                    f"acceptance_length must be in 1..num_speculative_tokens + 1 ({k + 1}), got "
                    f"{config.acceptance_length!r}")

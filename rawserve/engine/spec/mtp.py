@@ -15,6 +15,8 @@ from rawserve.engine.loader import CheckpointError, load_weights, read_safetenso
 from rawserve.engine.model_runner import ModelRunner
 from rawserve.engine.models.decoder import LinearOwner, _param, cpu_prepack_supported
 from rawserve.engine.models.qwen35 import GatedAttentionLayer, offset_rms_norm
+from rawserve.engine.multimodal.positions import mrope_positions
+from rawserve.engine.quant import QuantPlan, quantize
 from rawserve.engine.request import Request
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 
@@ -63,8 +65,9 @@ class MTPHead(LinearOwner):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T] (tokens i + 1), positions [T] (i), hidden [T, H] (the target's, or this head's own
-        output for a further draft) -> normed output [T, H]."""
+        """input_ids [T] (tokens i + 1), positions [T] (i) or, for a batch with images, [3, T] (position i's
+        M-RoPE position, as the target's), hidden [T, H] (the target's, or this head's own output for a further
+        draft) -> normed output [T, H]."""
         target = self.target[0]
         dtype = self.norm.dtype
         e = offset_rms_norm(nn.functional.embedding(input_ids, target.embed_tokens).to(dtype),
@@ -77,8 +80,9 @@ class MTPHead(LinearOwner):
 
 
 def load_mtp_head(runner: ModelRunner) -> MTPHead:
-    """The MTP block from the target's checkpoint, dense in the target's dtype (ValueError naming the flag when
-    the checkpoint is not a Qwen3.5 one with mtp.* tensors)."""
+    """The MTP block from the target's checkpoint in the target's dtype, its linears quantized as the target's
+    under --quantization (ValueError naming the flag when the checkpoint is not a Qwen3.5 one with mtp.*
+    tensors)."""
     cfg = runner.model_config
     if cfg.hybrid is None:
         raise ValueError("--speculative-config: method mtp needs a Qwen3.5 checkpoint (its mtp.* tensors)")
@@ -96,10 +100,25 @@ def load_mtp_head(runner: ModelRunner) -> MTPHead:
     except CheckpointError as error:
         raise ValueError(f"--speculative-config: method mtp: {error}") from None
     head.finish_load()
+    if runner.quant is not None:
+        quantize_head(head, runner.quant)
     if runner.device.type == "cpu" and cpu_prepack_supported(runner.dtype):  # as the target's linears (2-4x)
-        head.prepack()
+        head.prepack()  # what quantize_head left dense
         head.layer.prepack()
     return head.eval()
+
+
+def quantize_head(head: MTPHead, plan: QuantPlan) -> None:
+    """fc and the layer's linears quantized as DecoderModel.defer_quantized quantizes the target's: each shape the
+    kernel takes, the rest left dense. After loading, not as the slices arrive: the block is one layer, so its
+    dense copy is a small, short-lived peak."""
+    for owner in (head, head.layer):
+        for name in owner.linear_names:
+            param = getattr(owner, name)
+            quantized = quantize(param.detach(), plan)
+            if quantized is not None:
+                owner.quant[name] = quantized
+                setattr(owner, name, nn.Parameter(torch.empty(0, dtype=param.dtype), requires_grad=False))
 
 
 @dataclasses.dataclass(slots=True)
@@ -189,7 +208,7 @@ class MTPProposer:
             else:
                 continue
             rows.append((req, k, hidden))
-            seqs.append(StepInput(req.token_ids[start + 1:last + 1], start, req.block_ids))
+            seqs.append(StepInput(req.token_ids[start + 1:last + 1], start, req.block_ids, features=req.features))
         drafts: dict[str, list[int]] = {req.rid: [] for req in reqs}
         if not rows:
             return [drafts[req.rid] for req in reqs]
@@ -205,8 +224,8 @@ class MTPProposer:
             active.append(i)
         for j in range(1, max(k for _, k, _ in rows)):
             active = [i for i in active if rows[i][1] > j]
-            seqs = [StepInput([drafts[rows[i][0].rid][-1]], rows[i][0].num_tokens - 2 + j, rows[i][0].block_ids)
-                    for i in active]
+            seqs = [StepInput([drafts[rows[i][0].rid][-1]], rows[i][0].num_tokens - 2 + j, rows[i][0].block_ids,
+                              features=rows[i][0].features) for i in active]
             tokens, out_next = self._run(seqs, out[torch.tensor(active, dtype=torch.int64, device=out.device)])
             for i, token in zip(active, tokens):
                 drafts[rows[i][0].rid].append(token)
@@ -219,9 +238,24 @@ class MTPProposer:
         batch = ForwardBatch.last_tokens(seqs)
         with torch.inference_mode():
             input_ids, positions, meta, rows = self.runner.step_metadata(batch)
-            out = self.head(input_ids, positions, hidden, self.kv_cache, meta)[rows]
+            out = self.head(input_ids, self._positions(seqs, positions), hidden, self.kv_cache, meta)[rows]
             tokens = self.runner.model.compute_logits(out).argmax(dim=-1).tolist()
         return tokens, out
+
+    def _positions(self, seqs: list[StepInput], positions: torch.Tensor) -> torch.Tensor:
+        """An image request's rows at the target's own M-RoPE positions ([3, T] for the batch, as the runner
+        gives the target's layers): MTP row i sits at position i, which past an image is i plus the images'
+        rope delta in every stream, and inside one its grid's rows and columns."""
+        multimodal = self.runner.multimodal
+        if multimodal is None or all(seq.features is None for seq in seqs):
+            return positions
+        patch, merge = multimodal.preprocess.patch_size, multimodal.preprocess.merge_size
+        parts = []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)
+            parts.append(torch.arange(start, end, dtype=torch.int64).expand(3, -1) if seq.features is None
+                         else mrope_positions(seq.features.images, start, end, patch, merge))
+        return torch.cat(parts, dim=1).to(positions.device)
 
     def _valid_rows(self, req: Request, progress: MTPProgress) -> int:
         """Rows of req whose MTP KV is in its blocks now: cut to the blocks still the same (a preemption or a

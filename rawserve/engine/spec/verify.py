@@ -7,6 +7,7 @@ stop decisions stay EngineCore's, called position by position through `VerifyHoo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.request import Request, RequestStatus
 from rawserve.engine.spec.draft_model import DraftModelProposer
 from rawserve.engine.spec.mtp import MTPProposer
+from rawserve.engine.spec.policy import BatchPolicy
 from rawserve.engine.spec.proposers import NgramProposer, SyntheticProposer
 from rawserve.engine.state_cache import StateCacheManager
 from rawserve.engine.step_plan import SpecSpan
@@ -53,6 +55,19 @@ class VerifyHooks:
     mask: Callable
     sample: Callable
     update: Callable
+
+
+@dataclass(slots=True)
+class _StepSample:
+    """The step being timed for BatchPolicy: its clock starts at propose and stops at the next propose (the core
+    loop steps back to back while requests run), so the loop's own work per step counts too."""
+    num_rows: int
+    probe: bool
+    began: float
+    rids: frozenset
+    decode_only: bool = False  # every scheduled row was one of the decoding rows (no prefill chunk)
+    drafted: bool = False
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -101,16 +116,26 @@ class SpecDecoder:
             self.proposer = None
         else:
             self.proposer = SyntheticProposer(self.k, config.acceptance_length, config.seed)
-        self.is_synthetic = config.method == "synthetic"
+        # A draft model or MTP layer with "acceptance_length" (benchmarks, as llama.cpp's --spec-synth-len over its
+        # draft-simple): real drafts, paid for, with their acceptance drawn at that mean instead of compared
+        self._synthetic_acceptance = SyntheticProposer(self.k, config.acceptance_length, config.seed) \
+            if draft is not None and config.acceptance_length > 1 else None
+        self.is_synthetic = config.method == "synthetic" or self._synthetic_acceptance is not None
         self.counters = SpecCounters(accepted_per_pos=[0] * self.k)
         self.steps = 0
         self.off_reason = ""  # why this step drafted nothing for anyone, for the stats line
+        # Whether a step drafts at all: a fixed disable_by_batch_size, or (by default) measured step times
+        self.policy = BatchPolicy() if config.disable_by_batch_size is None else None
+        self._sample: _StepSample | None = None
+        self.clock = time.perf_counter
 
     # ---- before the schedule -------------------------------------------------------------------------------
 
     def propose(self, running: Iterable[Request]) -> None:
         """Draft for each running request that decodes this step (its tokens all computed but the last)."""
         self.steps += 1
+        now = self.clock()
+        sample, self._sample = self._sample, None
         decoding = []
         was_running, self._running = self._running, set()
         for req in running:
@@ -124,11 +149,23 @@ class SpecDecoder:
             if (req.status is RequestStatus.RUNNING and req.num_computed_tokens >= req.num_prompt_tokens
                     and req.num_tokens > req.num_computed_tokens):
                 decoding.append(req)
-        if len(decoding) >= self.config.disable_by_batch_size:
-            # Compute-bound: k more positions per row cost about k more rows' work, and buy less than that
+        if sample is not None and sample.decode_only and not sample.rids.isdisjoint(self._running):
+            # Some of its rows still run, so the loop went straight on to this step: the gap is the step's time
+            self.policy.record(sample.num_rows, sample.drafted, sample.tokens, now - sample.began, sample.probe)
+        if not decoding:
+            self.off_reason = ""
+            return
+        if self.policy is not None:
+            # Compute-bound at some batch size: k more positions per row cost about k more rows' work there
+            draft, probe = self.policy.choose(len(decoding))
+            self._sample = _StepSample(len(decoding), probe, now, frozenset(req.rid for req in decoding))
+            off = not draft
+        else:
+            off = len(decoding) >= self.config.disable_by_batch_size
+        if off:
             self.counters.num_steps_off_by_batch += 1
-            self.off_reason = f"off: {len(decoding)} rows decode (disable_by_batch_size " \
-                              f"{self.config.disable_by_batch_size})"
+            self.off_reason = self.policy.describe(len(decoding)) if self.policy is not None else \
+                f"off: {len(decoding)} rows decode (disable_by_batch_size {self.config.disable_by_batch_size})"
             return
         self.off_reason = ""
         batch: list[tuple[Request, int]] = []
@@ -156,6 +193,9 @@ class SpecDecoder:
             reqs = [req for req, _ in batch]
             for req, drafts in zip(reqs, self.draft.propose_batch(reqs, [k for _, k in batch])):
                 req.spec_tokens = drafts
+                if self._synthetic_acceptance is not None and drafts:
+                    forced = self._synthetic_acceptance.propose(req.token_ids, len(drafts)).num_forced
+                    req.spec_state.num_forced = forced if req.guided is None and req.params.logprobs is None else 0
 
     def hold_states(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """A hybrid's step, scheduled: snapshot each drafted row's state into a spare running slot; a row with
@@ -179,6 +219,10 @@ class SpecDecoder:
     def observe(self, scheduled: list[tuple[Request, int]], seqs: list) -> None:
         """After the target's forward: an MTP proposer keeps the step's final hidden states (the rows' next drafts
         are made from them)."""
+        sample = self._sample
+        if sample is not None:
+            sample.decode_only = all(req.rid in sample.rids for req, _ in scheduled)
+            sample.tokens = len(scheduled)  # each decoding row's own token; verify adds the accepted drafts
         observe = getattr(self.draft, "observe", None)
         if observe is not None:
             for req, _ in scheduled:
@@ -226,6 +270,9 @@ class SpecDecoder:
             position += 1
         for span in spans:
             self._settle(span, accepted[id(span)])
+        if self._sample is not None and spans:
+            self._sample.drafted = True
+            self._sample.tokens += sum(accepted.values())
         return [merge_outputs(outs) for outs in outputs.values()]
 
     def _num_forced(self, span: SpecSpan) -> int:
@@ -297,7 +344,8 @@ class SpecDecoder:
         return {"num_drafts": c.num_drafts, "num_draft_tokens": c.num_draft_tokens,
                 "num_accepted_tokens": c.num_accepted_tokens, "accepted_per_pos": list(c.accepted_per_pos),
                 "num_steps_off_by_batch": c.num_steps_off_by_batch, "num_pauses": c.num_pauses,
-                "num_paused_rows": self.num_paused(running), "off_reason": self.off_reason}
+                "num_paused_rows": self.num_paused(running), "off_reason": self.off_reason,
+                **({"policy": self.policy.stats()} if self.policy is not None else {})}
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
