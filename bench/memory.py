@@ -29,13 +29,13 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from bench.checkpoints import ensure_qwen3_06b_shape, rev
+from bench.procs import free_port, wait_healthy
 
 PEERS_ROOT = pathlib.Path(os.environ.get("PEERS_ROOT", pathlib.Path.home() / ".cache" / "rawserve-peers"))
 LLAMA_SERVER = PEERS_ROOT / "llama.cpp" / "build" / "bin" / "llama-server"
@@ -113,29 +113,6 @@ class RssSampler:
         self._thread.join()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, path: str, timeout_s: float = 600) -> None:
-    """Until `path` answers 200: rawserve's /health does while the model loads, its /ready once it serves."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not become healthy")
-
-
 def stream_one(port: int, model: str, prompt: str, max_tokens: int, errors: list) -> None:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True})
@@ -182,7 +159,7 @@ def measure(label: str, cmd: list[str], port: int, model: str, args: argparse.Na
     out: dict = {"bench": "memory", "server": label}
     try:
         t0 = time.monotonic()
-        wait_healthy(port, proc, "/ready" if label == "rawserve" else "/health")
+        wait_healthy(proc, port, label, "/ready" if label == "rawserve" else "/health")
         out["startup_s"] = round(time.monotonic() - t0, 1)
         out["startup_peak_mib"] = round(sampler.peak_kib / 1024, 1)
         out["startup_peak_pss_mib"] = round(sampler.peak_pss_kib / 1024, 1)
@@ -265,7 +242,7 @@ def abuse(args: argparse.Namespace) -> None:
     threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
     common = {"bench": "memory_abuse", "model": "demo", "flags": args.flags, "rev": rev()}
     try:
-        wait_healthy(port, proc, "/ready")
+        wait_healthy(proc, port, "rawserve", "/ready")
         core = core_pid(proc.pid)
         summary = [line.decode(errors="replace") for line in stderr if b" serving '" in line]
         time.sleep(2)

@@ -17,22 +17,16 @@ import http.client
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 from bench.model_forward import rev
+from bench.procs import free_port, wait_healthy
 from bench.serve import log, start_server, stop_server
 
 PEERS = os.path.expanduser("~/.cache/rawserve-peers")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port: int, path: str, body: dict, timeout_s: float = 900) -> tuple[dict, float]:
@@ -50,22 +44,6 @@ def post(port: int, path: str, body: dict, timeout_s: float = 900) -> tuple[dict
     return json.loads(payload), elapsed
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("the server did not become healthy in time")
-
-
 def start_llama(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     port = free_port()
     command = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-t",
@@ -73,7 +51,7 @@ def start_llama(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
                "--no-webui"]
     log("starting", " ".join(command))
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_healthy(port, proc)
+    wait_healthy(proc, port, "llama-server")
     return proc, port
 
 
@@ -99,7 +77,7 @@ def main() -> None:
     rawserve, rawserve_port = start_server(flags, args.model_dir)
     llama = None
     try:
-        wait_healthy(rawserve_port, rawserve)
+        wait_healthy(rawserve, rawserve_port, "rawserve")
         llama, llama_port = start_llama(args)
         rng = random.Random(0)
         ours, theirs, theirs_client = [], [], []

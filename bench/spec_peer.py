@@ -39,6 +39,7 @@ import urllib.request
 import orjson
 
 from bench.client import request_bytes
+from bench.procs import free_port
 from bench.serve import start_server, stop_server
 
 PEERS = pathlib.Path(os.environ.get("PEERS_ROOT", pathlib.Path.home() / ".cache" / "rawserve-peers"))
@@ -68,14 +69,6 @@ def ensure_draft(model_dir: pathlib.Path, draft_dir: pathlib.Path, draft_gguf: p
         subprocess.run([str(PEERS / "venv" / "bin" / "python"), str(PEERS / "llama.cpp" / "convert_hf_to_gguf.py"),
                         str(draft_dir), "--outtype", "bf16", "--outfile", str(draft_gguf)], check=True,
                        stdout=subprocess.DEVNULL)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_llama(binary: str, gguf: pathlib.Path, threads: int, context: int, spec: list[str]) -> tuple:

@@ -21,7 +21,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import urllib.error
 import urllib.request
 
 from bench.model_forward import rev
+from bench.procs import free_port, wait_healthy
 
 PEERS = os.path.expanduser("~/.cache/rawserve-peers")
 PROMPT = "Describe this picture."
@@ -37,27 +37,6 @@ PROMPT = "Describe this picture."
 
 def log(*args: object) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{name} was not healthy within {timeout_s:.0f} s")
 
 
 def start(command: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
