@@ -22,10 +22,10 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 from bench.checkpoints import rev
 from bench.client import call
+from bench.procs import wait_healthy
 from bench.serve import log, start_server, stop_server
 
 PEERS = pathlib.Path(os.environ.get("PEERS_ROOT", pathlib.Path.home() / ".cache/rawserve-peers"))
@@ -43,19 +43,12 @@ def start_llama(port: int, gguf: pathlib.Path, parallel: int) -> subprocess.Pope
                              str(port), "-t", cpus, "-tb", cpus, "-np", str(parallel), "-c", str(parallel * 512),
                              "-kvu", "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError("llama-server did not start within 300 s")
+    try:
+        wait_healthy(proc, port, "llama-server", timeout_s=300)
+    except RuntimeError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc
 
 
 def start_busy(count: int, kind: str, cpus: set[int]) -> list[subprocess.Popen]:

@@ -34,12 +34,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 import orjson
 
 from bench.client import request_bytes
-from bench.procs import free_port
+from bench.procs import free_port, wait_healthy
 from bench.serve import start_server, stop_server
 
 PEERS = pathlib.Path(os.environ.get("PEERS_ROOT", pathlib.Path.home() / ".cache" / "rawserve-peers"))
@@ -76,18 +75,12 @@ def start_llama(binary: str, gguf: pathlib.Path, threads: int, context: int, spe
     command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-np", "1", "-c", str(context), "--no-webui", "--alias", "m", *spec]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({proc.returncode}): {' '.join(command)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return proc, port
-        except OSError:
-            time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError("llama-server did not answer /health within 300 s")
+    try:
+        wait_healthy(proc, port, f"llama-server ({' '.join(command)})", timeout_s=300)
+    except RuntimeError:
+        stop_server(proc)
+        raise
+    return proc, port
 
 
 async def one_stream(port: int, prompt: list[int], output_len: int) -> dict:
