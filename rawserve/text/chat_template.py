@@ -328,22 +328,16 @@ def checkpoint_chat_template(model_dir: str | os.PathLike) -> str | None:
     path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(path):
         return _read_text(path)
-    path = os.path.join(model_dir, "chat_template.json")
-    if os.path.isfile(path):
-        try:
-            processor = json.loads(_read_text(path))
-        except ValueError as error:
-            raise ChatTemplateError(f"{path}: {error}") from None
-        if isinstance(processor, dict) and processor.get("chat_template") is not None:
-            return _named_template(processor["chat_template"], path)
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.isfile(path):
+    for name in ("chat_template.json", "tokenizer_config.json"):  # the processor's first, as transformers reads
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
         try:
             config = json.loads(_read_text(path))
         except ValueError as error:
             raise ChatTemplateError(f"{path}: {error}") from None
-        if isinstance(config, dict):
-            return _named_template(config.get("chat_template"), path)
+        if isinstance(config, dict) and config.get("chat_template") is not None:
+            return _named_template(config["chat_template"], path)
     return None
 
 

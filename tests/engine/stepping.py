@@ -41,3 +41,22 @@ def step_to_end(core: EngineCore, max_steps: int = 2000, on_step=None) -> tuple[
         if on_step is not None:
             on_step(core)
     raise AssertionError("engine did not finish")
+
+
+def prompt_logprobs_against_hf(core: EngineCore, hf, ids: list[int], max_tokens: int = 3) -> tuple[list, torch.Tensor]:
+    """Run `ids` greedily with logprobs=2 and prompt_logprobs=2 and check every prompt logprob against
+    transformers' over the same ids (rtol 0, atol 1e-4) -> (the step outputs, transformers' log-softmax rows over
+    prompt + generated) for a caller's further checks."""
+    core.add_request("lp", ids, greedy(max_tokens, logprobs=2, prompt_logprobs=2))
+    outs = []
+    while core.has_unfinished:
+        outs += core.step()
+    generated = [t for out in outs for t in out.new_token_ids]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids + generated])).logits[0].float().log_softmax(-1)
+    plp = outs[0].prompt_logprobs  # sent once, with the first token
+    assert len(plp) == len(ids) and plp[0] is None
+    got = torch.tensor([plp[i][1] for i in range(1, len(ids))])
+    assert [plp[i][0] for i in range(1, len(ids))] == ids[1:]
+    torch.testing.assert_close(got, ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], rtol=0, atol=1e-4)
+    return outs, ref

@@ -11,7 +11,7 @@ from rawserve.engine.core import EngineCore
 from rawserve.engine.types import SamplingParams
 from tests.checkpoints import MOE_FAMILIES, load_hf_moe, make_moe_checkpoint
 from tests.engine import stepping
-from tests.engine.stepping import greedy, hf_greedy, step_to_end
+from tests.engine.stepping import greedy, hf_greedy, prompt_logprobs_against_hf, step_to_end
 
 BLOCK = 4
 VOCAB = 256
@@ -77,19 +77,8 @@ def test_prefix_hit_gives_the_cold_output(ckpt, hf):
 
 
 def test_prompt_logprobs_equal_transformers(ckpt, hf):
-    ids = prompt(21, 11)
-    core = make_core(ckpt, max_num_batched_tokens=9)  # chunked: the logprob rows span several steps
-    core.add_request("lp", ids, greedy(3, logprobs=2, prompt_logprobs=2))
-    outs = []
-    while core.has_unfinished:
-        outs += core.step()
-    generated = [t for out in outs for t in out.new_token_ids]
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids + generated])).logits[0].float().log_softmax(-1)
-    plp = outs[0].prompt_logprobs
-    got = torch.tensor([plp[i][1] for i in range(1, len(ids))])
-    assert [plp[i][0] for i in range(1, len(ids))] == ids[1:]
-    torch.testing.assert_close(got, ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], rtol=0, atol=1e-4)
+    # chunked: the logprob rows span several steps
+    prompt_logprobs_against_hf(make_core(ckpt, max_num_batched_tokens=9), hf, prompt(21, 11))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"])

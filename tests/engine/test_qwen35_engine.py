@@ -12,7 +12,7 @@ from rawserve.engine.core import EngineCore
 from rawserve.engine.rules import samples
 from rawserve.engine.types import SamplingParams
 from tests.engine import stepping
-from tests.engine.stepping import greedy, hf_greedy, step_to_end
+from tests.engine.stepping import greedy, hf_greedy, prompt_logprobs_against_hf, step_to_end
 from tests.qwen35_checkpoints import load_hf_qwen35, make_qwen35_checkpoint
 
 BLOCK = 4
@@ -163,18 +163,8 @@ def test_a_missing_kv_block_makes_its_saved_state_go(ckpt):
 def test_prompt_logprobs_and_logprobs_equal_transformers(ckpt, hf):
     ids = prompt(21, 11)
     core = make_core(ckpt, max_num_batched_tokens=9)  # chunked: the logprob rows span several steps
-    core.add_request("lp", ids, greedy(3, logprobs=2, prompt_logprobs=2))
-    outs = []
-    while core.has_unfinished:
-        outs += core.step()
+    outs, ref = prompt_logprobs_against_hf(core, hf, ids)
     generated = [t for out in outs for t in out.new_token_ids]
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids + generated])).logits[0].float().log_softmax(-1)
-    plp = outs[0].prompt_logprobs  # sent once, with the first token
-    assert len(plp) == len(ids) and plp[0] is None
-    got = torch.tensor([plp[i][1] for i in range(1, len(ids))])
-    assert [plp[i][0] for i in range(1, len(ids))] == ids[1:]
-    torch.testing.assert_close(got, ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], rtol=0, atol=1e-4)
     assert generated == ref[len(ids) - 1:-1].argmax(-1).tolist()
     token, value, rank, top = outs[-1].logprobs[0]
     assert token == generated[-1] and rank == 1 and len(top) == 2
