@@ -164,6 +164,22 @@ class Scheduler:
             self.lora_slots.release(req.lora_slot)
             req.lora_slot = -1
 
+    def _follows_a_prefill(self, req: Request, num_hit_blocks: int, prefilling: list[Request]) -> bool:
+        """Whether a running request is still prefilling the prompt block this one would compute next: then this one
+        waits for that prefill to end and continues from the cached prefix instead of computing the same tokens
+        beside it (the n samples of one prompt, one system prompt sent by many clients at once). On a hybrid
+        model this is how samples share their prompt: the first's state, saved at its prompt's last block edge,
+        is restored into each of the others."""
+        if num_hit_blocks >= (req.num_tokens - 1) // self.kv.block_size:
+            return False  # no full block left to compute that another could share
+        key = req.block_hashes[num_hit_blocks]
+        for other in prefilling:
+            hashes = other.block_hashes
+            if (other.status is RequestStatus.RUNNING and other.num_computed_tokens < other.num_prompt_tokens
+                    and len(hashes) > num_hit_blocks and hashes[num_hit_blocks] == key):
+                return True
+        return False
+
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         self._has_finished_running = False
@@ -251,7 +267,8 @@ class Scheduler:
             waiting = self.waiting
             bs = kv.block_size
             lora_slots = self.lora_slots
-            parked = []  # requests whose adapter has no free slot: they wait, the others go on
+            parked = []  # requests whose adapter has no free slot, or whose prefix another computes: they wait
+            prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
             while (waiting and budget > 0 and len(self.running) < self.max_num_seqs
                    and (states is None or states.has_free_slot)):
                 req = waiting[0][3]
@@ -267,6 +284,10 @@ class Scheduler:
                 hits = kv.lookup(req.block_hashes, (num_tokens - 1) // bs) if use_cache else []
                 if states is not None and hits:  # a hybrid continues only from a prefix whose state was saved
                     del hits[states.usable_blocks(req.block_hashes, len(hits)):]
+                if use_cache and self._follows_a_prefill(req, len(hits), prefilling):
+                    self._release_lora(req)
+                    parked.append(heapq.heappop(waiting))
+                    continue
                 num_cached = len(hits) * bs
                 num_new = min(num_tokens - num_cached, budget)
                 if states is not None:
@@ -292,6 +313,7 @@ class Scheduler:
                 req.num_published_blocks = len(hits)
                 req.status = RequestStatus.RUNNING
                 bisect.insort(self.running, req, key=Request.sort_key)
+                prefilling.append(req)
                 if num_new:  # else it runs once its image is encoded
                     scheduled[req] = num_new
                 budget -= num_new + charged

@@ -94,8 +94,12 @@ def test_n_2_samples_each_equal_transformers(ckpt, hf):
     ids = prompt(19, 4)
     children = samples(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))
     core = make_core(ckpt)
-    tokens, _ = run(core, [(f"s{j}", ids, params) for j, params in enumerate(children)])
+    tokens, final = run(core, [(f"s{j}", ids, params) for j, params in enumerate(children)])
     assert tokens["s0"] == tokens["s1"] == hf_greedy(hf, ids)
+    # The second sample waits for the first's prefill and resumes from its state, saved at the prompt's last
+    # block edge: the prompt is computed once, not twice
+    assert final["s0"].num_cached_tokens == 0 and final["s1"].num_cached_tokens == 16
+    assert core.states.num_restores == 1
     assert_no_leak(core)
 
 

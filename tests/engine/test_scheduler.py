@@ -144,6 +144,37 @@ def test_prefix_hit_sets_num_cached_tokens_and_leaves_the_last_token_to_compute(
     assert sched.kv.prefix_cache_hits == 20 and sched.kv.prefix_cache_queries == 12 + 12 + 14
 
 
+def test_a_prompt_another_request_is_prefilling_waits_and_continues_from_its_cached_prefix():
+    sched = scheduler(block_size=4, budget=14)
+    other = make("other", prompt_len=6, max_tokens=2, first_token=500)
+    first, same = make("first", prompt_len=14, max_tokens=2), make("same", prompt_len=14, max_tokens=2)
+    for req in (other, first, same):
+        sched.add(req)
+    plan = dict(sched.schedule())
+    assert plan == {other: 6, first: 8}  # "same" would compute the blocks "first" is computing
+    advance(sched, list(plan.items()))
+    plan = dict(sched.schedule())
+    assert same not in plan and plan[first] == 6  # "first" was still prefilling when the queue was read
+    advance(sched, list(plan.items()))
+    plan = dict(sched.schedule())
+    assert same.num_cached_tokens == 12 and plan[same] == 2  # only its last 2 tokens are computed
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == 64 and set(sched.kv.ref_counts) == {0}
+
+
+def test_a_request_waiting_on_a_prefill_that_is_aborted_runs_on_from_what_it_published():
+    sched = scheduler(block_size=4, budget=8)
+    first, same = make("first", prompt_len=14, max_tokens=2), make("same", prompt_len=14, max_tokens=2)
+    sched.add(first)
+    sched.add(same)
+    advance(sched, sched.schedule())
+    sched.finish(first, "abort")
+    plan = dict(sched.schedule())
+    assert plan[same] == 6 and same.num_cached_tokens == 8  # the two blocks "first" published before its abort
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == 64 and set(sched.kv.ref_counts) == {0}
+
+
 def test_salted_request_does_not_hit_unsalted_cache():
     sched = scheduler(block_size=4)
     sched.add(make("plain", prompt_len=12, max_tokens=1))
