@@ -3,7 +3,7 @@ Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32
 
 python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
-                       [--cold-decode] [--cold-decode-tokens 48] [--shape 0.6b|tiny]
+                       [--cold-decode] [--cold-decode-tokens 48] [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
 runs, then the issue's targets); logs go to stderr. xgrammar and llguidance are bench-only extras.
 
@@ -461,7 +461,9 @@ def bench_case(impls: list, case: str, schema, tokens: list[int], args, base: di
         row.update(us_stats("mask_cpu", pooled("mask_cpu")))
         if impl.name == "rawserve":
             row.update(num_configs=handle.automaton.num_configs, num_masks_built=handle.num_masks_built,
-                       nfa_states=handle.automaton.g.num_states)
+                       nfa_states=handle.automaton.g.num_states,
+                       # which walk built each mask's base: "lexeme" ones took the string lexeme's shared sets
+                       num_walks=dict(handle.num_walks))
         else:
             row.update(us_stats("apply", pooled("apply")))
             row.update(us_stats("mask_apply", [f + a for m in runs for f, a in zip(m["mask"], m["apply"])]))
@@ -685,7 +687,9 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
             grace_before = registry.grace_wait_s
             registry.ahead_wait_max_s = 0.0
             registry.grace_wait_max_s = 0.0
+            built_before = registry.mask_build_totals()
             result = decode_run(core, prompts, out_len, guided, f"c{index}", timer, forward)
+            built = [b - a for a, b in zip(built_before, registry.mask_build_totals())]
             steps = result["steps"]
             decode_steps = steps[1:]  # the first is the prefill
             decode_s = sum(s[0] for s in decode_steps)
@@ -698,6 +702,7 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
                          "idle_wait_ms": (registry.idle_wait_s - idle_before) * 1e3,
                          "grace_wait_ms": (registry.grace_wait_s - grace_before) * 1e3,
                          "wait_max_ms": max(registry.ahead_wait_max_s, registry.grace_wait_max_s) * 1e3,
+                         "masks_built": built,
                          "num_stop": sum(1 for r in result["reasons"].values() if r == "stop")})
             if label == "cold":
                 check_outputs(tokenizer, "cold", result)
@@ -720,7 +725,12 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
                      # single wait of a step for masks (either kind)
                      "grace_wait_ms_total": round(cold["grace_wait_ms"], 1),
                      "mask_wait_max_ms": round(cold["wait_max_ms"], 1),
-                     "num_finished_stop": cold["num_stop"], "load_avg_1m": round(os.getloadavg()[0], 2)})
+                     "num_finished_stop": cold["num_stop"],
+                     # the helper's work for the cold run's masks: a figure the box's load moves less than tok/s
+                     "num_masks_built": cold["masks_built"][0],
+                     "mask_build_ms_total": round(cold["masks_built"][1] * 1e3, 1),
+                     "mask_build_cpu_ms_total": round(cold["masks_built"][2] * 1e3, 1),
+                     "load_avg_1m": round(os.getloadavg()[0], 2)})
         print(json.dumps(rows[-1]), flush=True)
 
         def itl_run(num_cold: int, tag: str, constrained: bool = True) -> list[float]:
@@ -764,6 +774,50 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
     return rows
 
 
+def bench_lexeme_ab(args, ours: Ours, tokenizer, base: dict) -> list[dict]:
+    """Per case, --lexeme-ab rounds of a cold compile and first pass with the string lexeme's shared sets off, then
+    on (engine/guided/lexemes.py; off: LexemeWalk's walks patched to refuse, as before they existed), in one process
+    and in turn, so the box's load hits both alike. Timed: this thread's CPU in mask() alone, per pass."""
+    from rawserve.engine.guided import lexemes
+    from rawserve.engine.guided.matcher import GuidedState
+
+    walk, walk_below = lexemes.LexemeWalk.walk, lexemes.LexemeWalk.walk_below
+    rows = []
+    for case in args.cases.split(","):
+        schema, instance = CASES[case]
+        tokens = tokenizer.encode(output_text(schema, instance), add_special_tokens=False)
+        passes: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+        try:
+            for rep in range(args.lexeme_ab):
+                for mode in ("off", "on"):
+                    lexemes.LexemeWalk.walk = walk if mode == "on" else (lambda self, cid: None)
+                    lexemes.LexemeWalk.walk_below = walk_below if mode == "on" else (lambda self, *a: False)
+                    runtime, _, _ = ours.compile(schema, f"ab-{case}-{mode}-{rep}-{time.monotonic_ns()}")
+                    state = GuidedState(runtime)
+                    total = largest = 0.0
+                    for i in range(len(tokens) + 1):
+                        began = time.thread_time()
+                        state.mask()
+                        took = time.thread_time() - began
+                        total, largest = total + took, max(largest, took)
+                        if i < len(tokens):
+                            state.advance(tokens[i])
+                    passes[mode].append((total * 1e3, largest * 1e3))
+        finally:
+            lexemes.LexemeWalk.walk, lexemes.LexemeWalk.walk_below = walk, walk_below
+        row = {**base, "bench": "guided_lexeme_ab", "schema": case, "rounds": args.lexeme_ab}
+        for mode, runs in passes.items():
+            row[f"first_pass_cpu_ms_median_{mode}"] = round(statistics.median(t for t, _ in runs), 2)
+            row[f"first_pass_cpu_ms_min_{mode}"] = round(min(t for t, _ in runs), 2)
+            row[f"largest_mask_cpu_ms_median_{mode}"] = round(statistics.median(m for _, m in runs), 2)
+        row["ratio_median_on_over_off"] = round(
+            row["first_pass_cpu_ms_median_on"] / row["first_pass_cpu_ms_median_off"], 3)
+        row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def check_outputs(tokenizer, name: str, result: dict) -> None:
     """A finished output must parse as JSON (a length-capped one is a prefix, not checked)."""
     for rid, ids in result["outputs"].items():
@@ -795,6 +849,9 @@ def main() -> None:
                              "unconstrained stream's ITL beside 8 cold-schema streams.")
     parser.add_argument("--cold-decode-tokens", type=int, default=48)
     parser.add_argument("--only-ours", action="store_true", help="Skip xgrammar and llguidance.")
+    parser.add_argument("--lexeme-ab", type=int, default=0, metavar="ROUNDS",
+                        help="Only the first-pass CPU of ours with the string lexeme's shared sets off and on, in "
+                             "turn, ROUNDS times per case (--cases).")
     parser.add_argument("--shape", default="0.6b", choices=("0.6b", "tiny"),
                         help="The decode model's shape (the Qwen3 tokenizer either way): tiny keeps the forward "
                              "small, so the decode runs show the host's share.")
@@ -842,6 +899,9 @@ def main() -> None:
                                      "additionalProperties": False}, f"throwaway-{time.monotonic_ns()}")
         impl.feed(handle, tokenizer.encode('{"x": 12}', add_special_tokens=False), check=True)
 
+    if args.lexeme_ab:
+        bench_lexeme_ab(args, impls[0], tokenizer, base)
+        return
     all_rows: dict[str, dict[str, dict]] = {}
     for case in args.cases.split(","):
         schema, instance = CASES[case]

@@ -43,7 +43,7 @@ class Automaton:
         self.is_complete: list[bool] = [False]  # accepting, and nothing more can follow
         # 0: dead; 1: a thread that never popped into a MARK frame is alive; 2: only MARK threads
         self.kind: list[int] = [0]
-        self._truncated: dict[int, int] = {}
+        self._truncated: dict[tuple[int, int], int] = {}  # (configuration, depth) -> its cut
         self._regions = sorted(g.repeats)
         self._region_firsts = [first for first, _, _ in self._regions]
         self._shift_keys: dict[int, tuple[frozenset[tuple[int, int]], int]] = {}
@@ -56,6 +56,11 @@ class Automaton:
     @property
     def num_configs(self) -> int:
         return len(self.configs)
+
+    @property
+    def mark_stack(self) -> int:
+        """The stack of one MARK frame, that truncate puts under every cut stack."""
+        return self._mark_stack
 
     def is_tail(self, s: int) -> bool:
         """Whether only epsilon moves lead on from s, and they reach a rule's final state: a call returning
@@ -144,7 +149,7 @@ class Automaton:
         """The configuration with every stack cut to its top `depth` frames over a MARK frame (cid
         itself when no stack is deeper). Near the depth cap nothing is cut: there a push the cut
         configuration allows may be one the real one refuses."""
-        cut = self._truncated.get(cid)
+        cut = self._truncated.get((cid, depth))
         if cut is not None:
             return cut
         threads = self.configs[cid]
@@ -164,8 +169,12 @@ class Automaton:
                     base = self._push(ret, base)
                 new.add((s, base))
             cut = self._intern(frozenset(new))
-        self._truncated[cid] = cut
+        self._truncated[(cid, depth)] = cut
         return cut
+
+    def restack(self, cid: int, sid: int) -> int:
+        """cid's threads all put on stack `sid` (interned): a cut configuration read at a real depth."""
+        return self._intern(frozenset((s, sid) for s, _ in self.configs[cid]))
 
     def shift_key(self, cid: int) -> tuple[frozenset[tuple[int, int]], int]:
         """(threads, run): with threads in one repeat run (CompiledGrammar.repeats) the threads moved back so

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from rawserve.engine.guided.automaton import DEAD, Automaton
+from rawserve.engine.guided.lexemes import LexemeWalk, StringLexeme, prepare_string_lexemes
 from rawserve.engine.guided.mask_worker import MaskWorker
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.plain_walk import PlainWalk
@@ -39,6 +40,12 @@ PY_WALK_BUDGET = 40_000
 TRUNCATE_DEPTH = 3
 # A mask of at most this many walked ids is made as an id list directly (no [V] bool).
 SPARSE_MASK_MAX_IDS = 4096
+# A walk of at most this many ids (with the undecided ones allowed) is made into its mask in Python.
+SPARSE_PY_MAX_IDS = 1024
+# _walk's plain count for a configuration inside the string lexeme: its mask is the lexeme's inside set, plus
+# the walked tokens (lexemes.LexemeWalk).
+IN_STRING_LEXEME = -2
+QUOTE = 0x22
 
 
 class GrammarRuntime:
@@ -55,18 +62,20 @@ class GrammarRuntime:
         self._kind = torch.zeros(64, dtype=torch.int8)  # Automaton.kind per configuration, as the walk reads it
         self._num_kinds = 0
         self._masks: dict[int, TokenMask] = {}  # per configuration
-        self._walks: dict[int, tuple[int, torch.Tensor, list[int]]] = {}  # per truncated configuration
+        self._walks: dict[int, tuple] = {}  # per truncated configuration: what _walk returned
         self._plain = PlainWalk(self.automaton, vocab)  # walks of configurations plain characters move alike
+        self._lexeme = LexemeWalk(self.automaton, vocab)  # configurations inside a JSON string body
         self._shared: dict[tuple, TokenMask] = {}  # equal masks are one object
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
-        self.num_walks = {"plain": 0, "python": 0, "tensor": 0}  # which walk built each mask's base
+        self.num_walks = {"lexeme": 0, "plain": 0, "python": 0, "tensor": 0}  # which walk built each mask's base
         self.mask_build_s = 0.0
+        self.mask_build_cpu_s = 0.0  # the building thread's CPU time: what a shared box's scheduler leaves out
         self._cache_bytes = 0  # what the walks and masks hold, apart from the plain walks'
 
     @property
     def cache_bytes(self) -> int:
-        return self._cache_bytes + self._plain.cache_bytes
+        return self._cache_bytes + self._plain.cache_bytes + self._lexeme.cache_bytes
 
     @property
     def start(self) -> int:
@@ -115,11 +124,12 @@ class GrammarRuntime:
         return mask if mask is not None else self._build(cid)
 
     def _build(self, cid: int) -> TokenMask:
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         if self.cache_bytes > MAX_CACHE_BYTES:  # caches only: what is dropped is rebuilt when reached again
             self._masks.clear()
             self._walks.clear()
             self._plain.clear()
+            self._lexeme.clear()
             self._shared.clear()
             self._token_next.clear()
             self._cache_bytes = 0
@@ -129,19 +139,20 @@ class GrammarRuntime:
         if walked is None:
             walked = self._walk(base)
             self._walks[base] = walked
-            self._cache_bytes += walked[1].numel() * walked[1].element_size() + 8 * len(walked[2])
-        num_plain, certain, uncertain = walked
+            self._cache_bytes += 8 * (len(walked[1]) + len(walked[2]))
+        num_plain, certain, uncertain, lexeme = walked
         extra = [t for t in uncertain if self.advance(cid, t) != DEAD]
         specials = [t for t in a.allowed_tokens(cid) if 0 <= t < self.vocab.vocab_size] if cid != DEAD else []
         key = (base, tuple(extra), tuple(specials), a.is_accepting[cid])
         mask = self._shared.get(key)
         if mask is None:
-            mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid])
+            mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid], lexeme)
             self._shared[key] = mask
             self._cache_bytes += mask.ids.numel() * mask.ids.element_size()
         self._masks[cid] = mask
         self.num_masks_built += 1
         self.mask_build_s += time.perf_counter() - began
+        self.mask_build_cpu_s += time.thread_time() - began_cpu
         return mask
 
     def _sync(self, todo: list[int]) -> None:
@@ -229,29 +240,37 @@ class GrammarRuntime:
         tokens, kinds = torch.cat(ends), self._kind[torch.cat(end_states)]
         return tokens[kinds == 1], tokens[kinds == 2]
 
-    def _walk(self, cid: int) -> tuple[int, torch.Tensor, list[int]]:
+    def _walk(self, cid: int) -> tuple[int, torch.Tensor | list[int], list[int], StringLexeme | None]:
         """(n: every token of 1..n plain characters is certainly allowed, -1 for none; more tokens it certainly
-        allows; tokens that pop into a MARK frame: undecided). A configuration that plain characters move
-        alike takes its plain tokens by count and walks the tails alone; other narrow ones walk in Python,
-        and the rest walk the trie with tensors (densely when wide)."""
+        allows; tokens that pop into a MARK frame: undecided; the string lexeme whose inside set is allowed too,
+        or None). One inside
+        a JSON string takes the lexeme's sets; one that plain characters move alike takes its plain tokens by
+        count and walks the tails alone; other narrow ones walk in Python, and the rest walk the trie with
+        tensors (densely when wide)."""
         if cid == DEAD:
-            return -1, torch.zeros(0, dtype=torch.int64), []
+            return -1, torch.zeros(0, dtype=torch.int64), [], None
+        # inside a JSON string (at a character boundary, or within a character or an escape): the lexeme's
+        # inside set, shared by every grammar, and only the close tokens walked
+        lexeme = self._lexeme.walk(cid)
+        if lexeme is not None:
+            self.num_walks["lexeme"] += 1
+            return IN_STRING_LEXEME, lexeme[1], lexeme[2], lexeme[0]
         first = self.automaton.expand(cid)
         num_live_first = sum(1 for c in first if c != DEAD)
         if num_live_first > DENSE_WALK_FIRST_BYTES:
             plain = self._plain.walk(cid)
             if plain is not None:
                 self.num_walks["plain"] += 1
-                return plain
+                return (*plain, None)
         else:
             walked = self._walk_py(cid)
             if walked is not None:
                 self.num_walks["python"] += 1
-                return -1, id_tensor(walked[0]), walked[1]
+                return -1, walked[0], walked[1], None  # a list: most are a few ids, made into a mask in Python
         self.num_walks["tensor"] += 1
         walk = self._walk_dense if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse
         certain, uncertain = walk(cid)
-        return -1, certain, uncertain.tolist()
+        return -1, certain, uncertain.tolist(), None
 
     def _walk_py(self, cid: int) -> tuple[list[int], list[int]] | None:
         """The sparse walk in Python, node by node: for a narrow configuration (a key, digits, an enum) a
@@ -260,6 +279,7 @@ class GrammarRuntime:
         a = self.automaton
         node_byte, first_child, num_children, node_token = self.vocab.py_arrays()
         next_byte, expand, kind = a.next_byte, a.expand, a.kind
+        below_quote = self._lexeme.walk_below
         certain: list[int] = []
         uncertain: list[int] = []
         budget = PY_WALK_BUDGET
@@ -280,12 +300,45 @@ class GrammarRuntime:
                     token = node_token[j]
                     if token >= 0:
                         (certain if kind[nxt] == 1 else uncertain).append(token)
-                    if num_children[j]:
+                    # an opening quote into a string body: the tokens below it from the lexeme's sets, shared by
+                    # every grammar, rather than a walk through the string's configurations
+                    if num_children[j] and not (node_byte[j] == QUOTE and below_quote(j, nxt, certain, uncertain)):
                         work.append((j, nxt))
         return certain, uncertain
 
-    def _make_mask(self, num_plain: int, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
+    def _make_mask(self, num_plain: int, certain: torch.Tensor | list[int], more: list[int], accepting: bool,
+                   lexeme: StringLexeme | None = None) -> TokenMask:
         v = self.vocab
+        if isinstance(certain, list):
+            if len(certain) + len(more) <= SPARSE_PY_MAX_IDS:
+                # a narrow mask in Python and one tensor: the cat, isin and unique of the path below cost 50-100 us
+                # a mask, most of a key's or a digit's
+                ids = set(certain)
+                ids.update(more)
+                dups = v.dups_of()
+                if dups:
+                    for t in [t for t in ids if t in dups]:
+                        ids.update(dups[t])
+                ids = id_tensor(sorted(ids))
+                return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
+            certain = id_tensor(certain)
+        if num_plain == IN_STRING_LEXEME:
+            allowed = torch.cat((certain, id_tensor(more))) if more else certain
+            if not lexeme.is_ban_list:  # inside a character or an escape: few tokens, an allow list
+                ids = torch.unique(torch.cat((lexeme.ids, allowed)))
+                return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
+            # the lexeme's ban list less what the walk allowed: no [V] pass (walked ids carry their duplicates)
+            banned = lexeme.ids
+            if allowed.numel():  # a [V] scatter and a gather: a third of what torch.isin cost
+                flags = torch.zeros(v.vocab_size, dtype=torch.bool)
+                flags[allowed] = True
+                banned = banned[~flags.index_select(0, banned)]
+            num_allowed = v.vocab_size - int(banned.numel())
+            if num_allowed > v.vocab_size // 2:
+                return TokenMask(False, banned.to(self.device), num_allowed, accepting)
+            keep = torch.ones(v.vocab_size, dtype=torch.bool)
+            keep[banned] = False
+            return TokenMask(True, keep.nonzero().squeeze(1).to(self.device), num_allowed, accepting)
         if num_plain <= 0 and certain.numel() + len(more) <= SPARSE_MASK_MAX_IDS:
             # a narrow mask (a key, digits, punctuation: most of a schema's masks) as its id list alone, without
             # the four passes over a [V] bool that cost 0.2 ms a mask
@@ -364,13 +417,15 @@ class GuidedState:
 
 
 def prepare_vocab(vocab: VocabIndex) -> None:
-    """Build the vocabulary's plain split and Python trie arrays, then freeze what is alive (gc.freeze).
+    """Build the vocabulary's plain split, Python trie arrays and string lexemes, then freeze what is alive
+    (gc.freeze).
 
     EngineCore froze the process at start, but the index is usually read later, at the first guided request:
     unfrozen, its lists (four of 333k ints, 8k dicts) made every full collection walk them, and a full
     collection in the core costs ~100 ms of one step on this box."""
     vocab.plain_split()
     vocab.py_arrays()
+    prepare_string_lexemes(vocab)
     gc.freeze()
 
 
@@ -459,6 +514,12 @@ class GuidedRegistry:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until the helper has nothing left to build (benches and tests)."""
         return self._worker.wait_idle(timeout_s)
+
+    def mask_build_totals(self) -> tuple[int, float, float]:
+        """(masks built, seconds, CPU seconds) over the grammars held (benches)."""
+        runtimes = list(self._runtimes.values())
+        return (sum(r.num_masks_built for r in runtimes), sum(r.mask_build_s for r in runtimes),
+                sum(r.mask_build_cpu_s for r in runtimes))
 
     @property
     def num_masks_queued(self) -> int:

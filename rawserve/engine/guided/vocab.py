@@ -126,6 +126,16 @@ class VocabIndex:
             self._py = arrays
         return arrays
 
+    def dups_of(self) -> dict[int, list[int]]:
+        """canonical id -> the ids with the same bytes (most vocabularies have none)."""
+        dups = getattr(self, "_dups", None)
+        if dups is None:
+            dups = {}
+            for dup, canon in zip(self.dup_ids.tolist(), self.dup_canon.tolist()):
+                dups.setdefault(canon, []).append(dup)
+            self._dups = dups
+        return dups
+
     def plain_split(self) -> PlainSplit:
         """The vocabulary split into plain-character prefixes and tails (built once, about a second)."""
         split = getattr(self, "_plain", None)

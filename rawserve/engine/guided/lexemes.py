@@ -1,0 +1,423 @@
+"""The JSON string lexeme's token sets, built once per vocabulary and lexer state and shared by every grammar: the
+tokens that stay inside a string body, and a trie of what follows a token's closing quote. Core side.
+
+A grammar configuration proven to move as the lexer does from one of its states (`LexemeWalk.match`, a pairing of
+its rows with the lexer's) takes that state's inside set whole and walks only the close trie, from the
+configuration after the quote.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from rawserve.engine.guided.automaton import DEAD, Automaton
+from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
+from rawserve.engine.guided.json_strings import CHAR
+from rawserve.engine.guided.nfa import compile_grammar
+from rawserve.engine.guided.token_mask import id_tensor
+
+_BUILD_LOCK = threading.Lock()
+# What the sets read below opening quotes inside tokens (StringLexeme.anchored) may hold, per vocabulary; a few
+# KB each for `"` and ` "` on Qwen3's vocabulary.
+MAX_ANCHORED_BYTES = 16 << 20
+
+
+class StringLexer:
+    """The body of a JSON string as rawserve's compilers spell it (json_strings.CHAR, repeated, then the closing
+    `"`), as a fully expanded Automaton (37 states): `start` is a character boundary, `close` the state after the
+    closing quote, `segments[state]` its row as runs (lo, hi, next) of bytes that move alike, and `by_alive` the
+    states (not close) by which bytes they take."""
+
+    def __init__(self) -> None:
+        a = Automaton(compile_grammar(Grammar({"root": seq(Repeat(CHAR, 0, None), lit('"'))}), "lexeme:json-string"))
+        self.automaton = a
+        self.start = a.start
+        todo, seen = [a.start], {a.start}
+        while todo:
+            for nxt in a.expand(todo.pop()):
+                if nxt != DEAD and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        self.num_states = a.num_configs
+        closes = [c for c in range(1, a.num_configs) if a.is_complete[c]]
+        assert len(closes) == 1, "the closing quote ends the lexeme in one state"
+        self.close = closes[0]
+        self.close_bytes = [b for b in range(256) if a.next_byte[a.start][b] == self.close]
+        self.rows = [a.next_byte[c] if c != DEAD else [DEAD] * 256 for c in range(a.num_configs)]
+        self.segments: list[list[tuple[int, int, int]]] = []
+        self.by_alive: dict[bytes, list[int]] = {}
+        for c, row in enumerate(self.rows):
+            runs, lo = [], 0
+            for b in range(1, 257):
+                if b == 256 or row[b] != row[lo]:
+                    runs.append((lo, b - 1, row[lo]))
+                    lo = b
+            self.segments.append(runs)
+            if c not in (DEAD, self.close):
+                self.by_alive.setdefault(alive_bytes(row), []).append(c)
+        # [states * 256] next state per state * 256 + byte, for the vocabulary's dense walk
+        self.table = torch.tensor([nxt for row in self.rows for nxt in row], dtype=torch.int64)
+
+
+def alive_bytes(row: list[int]) -> bytes:
+    """Per byte 1 where a row goes on, 0 where it dies (DEAD is 0): a key of what a state takes."""
+    return bytes(map(bool, row))
+
+
+_LEXER: StringLexer | None = None
+
+
+def string_lexer() -> StringLexer:
+    """The process's StringLexer (it depends on no vocabulary), made on first use."""
+    global _LEXER
+    if _LEXER is None:
+        with _BUILD_LOCK:
+            if _LEXER is None:
+                _LEXER = StringLexer()
+    return _LEXER
+
+
+class StringLexeme:
+    """One vocabulary's tokens against the string lexer from one of its states: the tokens that stay inside the
+    string, as the shorter of their sorted ids (`ids`, `is_ban_list` False) or the sorted ids of every other token
+    (specials, padding, tokens that close or break the string; `is_ban_list` True), and the close trie: per token
+    that closes the string, the bytes after its closing quote (`close_children[node]` byte -> node,
+    `close_tokens[node]` the ids whose rest ends there; node 0 is the quote itself). Duplicate tokens are in both
+    under their own ids. From the start state (a character boundary) every trie node is read at once with tensors
+    (30 ms); from the others (inside a character or an escape) few first bytes live, and a Python walk reads the
+    few nodes that do."""
+
+    def __init__(self, vocab, state: int) -> None:
+        lexer = self.lexer = string_lexer()
+        self.state = state
+        if state == lexer.start:
+            inside, closing = self._read_dense(vocab)
+        else:
+            inside, closing = self._read_sparse(vocab)
+        dups = vocab.dups_of()
+        allowed = torch.zeros(vocab.vocab_size, dtype=torch.bool)
+        allowed[inside] = True
+        if vocab.dup_ids.numel():
+            allowed[vocab.dup_ids] = allowed[vocab.dup_canon]
+        self.num_inside = int(allowed.sum())
+        # from a character boundary almost every token stays inside; from within a character or an escape few do
+        self.is_ban_list = self.num_inside > vocab.vocab_size // 2
+        self.ids = ((~allowed) if self.is_ban_list else allowed).nonzero().squeeze(1)
+        self.close_children: list[dict[int, int]] = [{}]
+        self.close_tokens: list[list[int]] = [[]]
+        token_bytes = vocab.token_bytes
+        for token_id, depth in closing:
+            at = 0
+            for byte in token_bytes[token_id][depth:]:
+                nxt = self.close_children[at].get(byte)
+                if nxt is None:
+                    nxt = self.close_children[at][byte] = len(self.close_children)
+                    self.close_children.append({})
+                    self.close_tokens.append([])
+                at = nxt
+            self.close_tokens[at].append(token_id)
+            self.close_tokens[at].extend(dups.get(token_id, ()))
+        self.nbytes = self.ids.numel() * 8 + 120 * len(self.close_children) + 8 * len(closing)
+        self._vocab = vocab
+        self._anchored: dict[int, tuple[list[int], list[dict[int, int]], list[list[int]]]] = {}
+        self.anchored_bytes = 0
+
+    def _read_dense(self, vocab) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """(inside canonical ids, (token, bytes up to and with its closing quote) per closing token), every trie
+        node's lexer state level by level."""
+        lexer = self.lexer
+        offsets = vocab.level_offsets
+        states = torch.zeros(vocab.num_nodes, dtype=torch.int64)
+        closed_at = torch.full((vocab.num_nodes,), -1, dtype=torch.int64)  # the node whose byte closed the string
+        states[0] = self.state
+        for d in range(1, len(offsets) - 1):
+            lo, hi = offsets[d], offsets[d + 1]
+            parents = vocab.flat_parent[lo:hi]
+            states[lo:hi] = lexer.table[states.index_select(0, parents) * 256 + vocab.flat_byte[lo:hi]]
+            closed_at[lo:hi] = torch.where(states[lo:hi] == lexer.close, torch.arange(lo, hi),
+                                           closed_at.index_select(0, parents))
+        tokens = vocab.flat_token
+        is_token = tokens >= 0
+        inside = tokens[is_token & (states != DEAD) & (states != lexer.close)]
+        closing = is_token & (closed_at >= 0)
+        close_nodes = closed_at[closing]
+        # a node's depth is its level, and the closing node's depth is how many bytes precede the rest
+        depths = torch.searchsorted(torch.tensor(offsets, dtype=torch.int64), close_nodes, right=True) - 1
+        return inside, list(zip(tokens[closing].tolist(), depths.tolist()))
+
+    def _read_sparse(self, vocab) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """As _read_dense, by a Python walk of the nodes the lexer keeps alive."""
+        node_byte, first_child, num_children, node_token = vocab.py_arrays()
+        rows, close = self.lexer.rows, self.lexer.close
+        inside: list[int] = []
+        closing: list[tuple[int, int]] = []
+        work = [(j, self.state, 1) for j in range(first_child[0], first_child[0] + num_children[0])]
+        while work:
+            j, state, depth = work.pop()
+            state = rows[state][node_byte[j]]
+            if state == DEAD:
+                continue
+            if state == close:
+                below = [(j, depth)]
+                while below:  # every token from here on closes after `depth` bytes
+                    k, _ = below.pop()
+                    if node_token[k] >= 0:
+                        closing.append((node_token[k], depth))
+                    below.extend((m, depth) for m in range(first_child[k], first_child[k] + num_children[k]))
+                continue
+            if node_token[j] >= 0:
+                inside.append(node_token[j])
+            work.extend((k, state, depth + 1) for k in range(first_child[j], first_child[j] + num_children[j]))
+        return id_tensor(inside), closing
+
+    def anchored(self, node: int) -> tuple[list[int], list[dict[int, int]], list[list[int]]] | None:
+        """For the tokens below trie node `node` (a token's bytes up to an opening quote, say `"` or ` "`), read
+        from this lexeme's state at node: (the canonical ids that stay inside the string, and their close trie as
+        (children, tokens) like close_children/close_tokens). Built on first use by a Python walk of the subtree
+        and kept, up to MAX_ANCHORED_BYTES for all anchors (None past it: the caller walks the subtree itself)."""
+        hit = self._anchored.get(node)
+        if hit is not None or self.anchored_bytes > MAX_ANCHORED_BYTES:
+            return hit
+        node_byte, first_child, num_children, node_token = self._vocab.py_arrays()
+        rows, close = self.lexer.rows, self.lexer.close
+        inside: list[int] = []
+        children: list[dict[int, int]] = [{}]
+        tokens: list[list[int]] = [[]]
+        work = [(j, self.state) for j in range(first_child[node], first_child[node] + num_children[node])]
+        closed: list[tuple[int, int]] = []  # (trie node, close-trie node) below a closing quote
+        while work:
+            j, state = work.pop()
+            state = rows[state][node_byte[j]]
+            if state == DEAD:
+                continue
+            if state == close:
+                if node_token[j] >= 0:
+                    tokens[0].append(node_token[j])
+                closed.extend((k, 0) for k in range(first_child[j], first_child[j] + num_children[j]))
+                continue
+            if node_token[j] >= 0:
+                inside.append(node_token[j])
+            work.extend((k, state) for k in range(first_child[j], first_child[j] + num_children[j]))
+        while closed:
+            j, at = closed.pop()
+            byte = node_byte[j]
+            nxt = children[at].get(byte)
+            if nxt is None:
+                nxt = children[at][byte] = len(children)
+                children.append({})
+                tokens.append([])
+            if node_token[j] >= 0:
+                tokens[nxt].append(node_token[j])
+            closed.extend((k, nxt) for k in range(first_child[j], first_child[j] + num_children[j]))
+        result = (inside, children, tokens)
+        self._anchored[node] = result
+        self.anchored_bytes += 8 * len(inside) + 120 * len(children) + 8 * sum(map(len, tokens))
+        return result
+
+
+def string_lexeme(vocab, state: int | None = None) -> StringLexeme:
+    """The vocabulary's StringLexeme from lexer state `state` (the start when None), built by whichever thread
+    asks first (all of them by the registry's helper at start, prepare_string_lexemes) and kept."""
+    lexer = string_lexer()  # before the lock, which its own first build takes
+    if state is None:
+        state = lexer.start
+    lexemes = getattr(vocab, "_string_lexemes", None)
+    lexeme = lexemes.get(state) if lexemes is not None else None
+    if lexeme is not None:
+        return lexeme
+    with _BUILD_LOCK:
+        lexemes = getattr(vocab, "_string_lexemes", None)
+        if lexemes is None:
+            lexemes = vocab._string_lexemes = {}
+        lexeme = lexemes.get(state)
+        if lexeme is None:
+            lexeme = lexemes[state] = StringLexeme(vocab, state)
+    return lexeme
+
+
+def prepare_string_lexemes(vocab) -> int:
+    """Build the vocabulary's StringLexeme from every lexer state -> the bytes they hold. About 0.25 s of CPU and
+    540 KB for Qwen3's vocabulary (36 states: the start's ban list is 5k ids, the others' sets a few thousand at
+    most); built ahead, so no request's first mask inside a character or an escape pays for its state's."""
+    lexer = string_lexer()
+    return sum(string_lexeme(vocab, state).nbytes for state in range(1, lexer.num_states) if state != lexer.close)
+
+
+class LexemeWalk:
+    """One grammar's use of the string lexeme: which configurations match it, from which lexer state (kept,
+    refusals too) and, for those, the close trie walked from where the quote leads (kept)."""
+
+    def __init__(self, automaton: Automaton, vocab) -> None:
+        self.automaton = automaton
+        self.vocab = vocab
+        # configuration -> (lexer state, the configuration after its string's closing quote), None: no match
+        self._matched: dict[int, tuple[int, int] | None] = {}
+        # a cut configuration and lexer state -> the configuration paired with the lexer's start, None: no match
+        self._proven: dict[tuple[int, int], int | None] = {}
+        # close walks: per (lexer state, configuration after the quote), or per (trie node of an opening quote,
+        # that configuration) for the anchored sets
+        self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self.cache_bytes = 0
+        self.num_proven = 0  # pairings run, apart from the ones kept
+        self.num_below = 0  # subtrees below an opening quote taken from the anchored sets
+
+    def clear(self) -> None:
+        self._closes.clear()
+        self.cache_bytes = 0
+
+    def match(self, cid: int) -> tuple[int, int] | None:
+        """(lexer state, the configuration a closing quote leads to) when cid moves, byte for byte, as the string
+        lexer does from that state (same bytes alive, runs alike, every configuration inside kind 1, the quote
+        closing into that one configuration); else None. Each lexer state pairs with one configuration, so a
+        counted string (a new configuration per place) is refused at its second place.
+
+        When all of cid's threads share one stack, the pairing is proven once for cid cut to no frames
+        (Automaton.truncate(cid, 0)), which every string of that rule shares at any depth, provided no
+        configuration inside pushes or pops (each keeps the one MARK stack): cid's own configurations inside are
+        then those with the MARK frame read as cid's stack (Automaton.restack), and only the quote's step is
+        cid's own."""
+        if cid in self._matched:
+            return self._matched[cid]
+        a = self.automaton
+        lexer = string_lexer()
+        row = a.expand(cid)
+        result = None
+        for state in lexer.by_alive.get(alive_bytes(row), ()):
+            if not self._moves_like(cid, row, state):
+                continue
+            stacks = {sid for _, sid in a.configs[cid]}
+            cut = a.truncate(cid, 0) if len(stacks) == 1 and 0 not in stacks else cid
+            if cut == cid:
+                proven = self._match(cid, state, False)
+                if proven is not None:
+                    result = (state, proven[1])
+            else:
+                key = (cut, state)
+                if key not in self._proven:
+                    proven = self._match(cut, state, True)
+                    self._proven[key] = None if proven is None else proven[0]
+                boundary = self._proven[key]
+                if boundary is not None:
+                    quote = lexer.close_bytes
+                    closes = a.step_some(a.restack(boundary, stacks.pop()), quote)
+                    if all(closes[b] == closes[quote[0]] for b in quote):
+                        result = (state, closes[quote[0]])
+            if result is not None:
+                break
+        self._matched[cid] = result
+        return result
+
+    @staticmethod
+    def _moves_like(cid: int, row: list[int], state: int) -> bool:
+        """Whether cid's row moves as the lexer state's does at its first byte (runs alike, the same bytes alive,
+        back to cid where the state loops to itself): the cheap refusal, before a configuration is cut and its cut
+        expanded. A counted string's place fails the last: a plain character leads to the next place."""
+        for lo, hi, nxt_state in string_lexer().segments[state]:
+            nxt = row[lo]
+            if (nxt == DEAD) != (nxt_state == DEAD) or (hi > lo and row[lo:hi + 1].count(nxt) != hi + 1 - lo):
+                return False
+            if nxt_state == state and nxt != cid:
+                return False
+        return True
+
+    def _match(self, cid: int, first: int, is_cut: bool) -> tuple[int, int] | None:
+        """The pairing of cid with lexer state `first` (see match) -> (the configuration paired with the lexer's
+        start, the one after the closing quote); with is_cut, also every configuration inside has its threads on
+        the MARK stack alone, in states other than MARK."""
+        self.num_proven += 1
+        lexer = string_lexer()
+        a = self.automaton
+        kind, segments, close_state = a.kind, lexer.segments, lexer.close
+        mark, mark_stack, configs = a.mark, a.mark_stack, a.configs
+        paired = {first: cid}
+        work = [(cid, first)]
+        close = DEAD
+        while work:
+            g, state = work.pop()
+            if kind[g] != 1:
+                return None
+            # What reading the MARK frame as cid's stack rests on. A MARK thread takes every byte, so the rows
+            # refuse it anyway; a push inside would be sound too below the depth cap: both are kept out cheaply.
+            if is_cut and any(s == mark or sid != mark_stack for s, sid in configs[g]):
+                return None
+            row = a.expand(g)
+            for lo, hi, nxt_state in segments[state]:
+                nxt = row[lo]
+                if hi > lo and row[lo:hi + 1].count(nxt) != hi + 1 - lo:
+                    return None
+                if (nxt == DEAD) != (nxt_state == DEAD):
+                    return None
+                if nxt == DEAD:
+                    continue
+                if nxt_state == close_state:  # only the start closes, and it pairs with one configuration
+                    close = nxt
+                    continue
+                known = paired.get(nxt_state)
+                if known is None:  # each lexer state pairs once: the work is bounded by the lexer's 36 states
+                    paired[nxt_state] = nxt
+                    work.append((nxt, nxt_state))
+                elif known != nxt:
+                    return None
+        boundary = paired.get(lexer.start)
+        return None if boundary is None or close == DEAD else (boundary, close)
+
+    def walk(self, cid: int) -> tuple[StringLexeme, torch.Tensor, list[int]] | None:
+        """(the lexeme, certain, uncertain) for a configuration that matches it: the tokens beyond its inside set
+        are those whose rest after the closing quote the configuration after it takes (ending alive,
+        or only in MARK frames). None when cid does not match."""
+        matched = self.match(cid)
+        if matched is None:
+            return None
+        lexeme = string_lexeme(self.vocab, matched[0])
+        kept = self._closes.get(matched)
+        if kept is None:
+            kept = self._closes[matched] = self._walk_close(matched[1], lexeme.close_children, lexeme.close_tokens)
+            self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
+        return lexeme, id_tensor(kept[0]), kept[1]
+
+    def walk_below(self, node: int, cid: int, certain: list[int], uncertain: list[int]) -> bool:
+        """Add the tokens below trie node `node` that configuration cid (reached at node) allows, when cid matches
+        the lexeme at a character boundary: the anchored inside set, and its close trie walked from where the
+        quote leads (kept per node and that configuration). False, adding nothing, when it does not match (or
+        past the anchors' cap)."""
+        matched = self.match(cid)
+        if matched is None or matched[0] != string_lexer().start:
+            return False
+        key = (-1 - node, matched[1])  # apart from walk's (lexer state, configuration) keys
+        kept = self._closes.get(key)
+        if kept is None:
+            anchored = string_lexeme(self.vocab).anchored(node)
+            if anchored is None:
+                return False
+            inside, children, found = anchored
+            walked = self._walk_close(matched[1], children, found)
+            kept = self._closes[key] = (inside + walked[0], walked[1])
+            self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
+        certain.extend(kept[0])
+        uncertain.extend(kept[1])
+        self.num_below += 1
+        return True
+
+    def _walk_close(self, close: int, children: list[dict[int, int]],
+                    found: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The close trie's tokens that `close`, the configuration after the quote, takes: (certain, uncertain)."""
+        a = self.automaton
+        next_byte, kind = a.next_byte, a.kind
+        certain: list[int] = []
+        uncertain: list[int] = []
+        work = [(0, close)]
+        while work:
+            node, c = work.pop()
+            if found[node]:
+                (certain if kind[c] == 1 else uncertain).extend(found[node])
+            kids = children[node]
+            if kids:
+                row = next_byte[c]
+                if row[0] < 0:
+                    row = a.step_some(c, kids)
+                for byte, child in kids.items():
+                    nxt = row[byte]
+                    if nxt != DEAD:
+                        work.append((child, nxt))
+        return certain, uncertain

@@ -1,0 +1,164 @@
+"""The JSON string lexeme's shared token sets (engine/guided/lexemes.py): the sets against the lexer token by
+token, and masks that use them against the brute-force reference, at every depth a string appears."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rawserve.engine.guided.automaton import DEAD
+from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
+from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
+from rawserve.engine.guided.json_strings import CHAR, STRING
+from rawserve.engine.guided.lexemes import StringLexeme, string_lexer
+from rawserve.engine.guided.matcher import GrammarRuntime
+from rawserve.engine.guided.nfa import compile_grammar
+from rawserve.engine.guided.vocab import VocabIndex
+from tests.guided.test_matcher import JSON_STRING, brute_mask, plain_vocab
+
+
+def lexeme_vocab() -> tuple[list[bytes], set[int]]:
+    """plain_vocab plus what a string's tokens look like around the lexeme: escapes split anywhere (`\\u00`),
+    surrogate pairs, quotes then structure, controls, and openings of strings inside tokens (`{"`, ` "ab`)."""
+    tokens, specials = plain_vocab()
+    extra = [b"\\u00e9", b"\\u", b"\\u00", b"\\ud83d\\ude00", b"\\ud83d", b"\\ude00", b'a\\"b', b'\\\\', b'x"',
+             b'x": "', b'"x', b' "ab', b' "a\\n', b'{"k": "v', b'"},{"', b'": 1, "', b'"\t', b'a\x01', b'"]]}',
+             "é\"".encode(), "中".encode()[:1], b'\\/', b'\\x', b'ab\\u12']
+    base = len(tokens) - len(specials)
+    return tokens[:base] + extra + tokens[base:], {i + len(extra) for i in specials}
+
+
+@pytest.fixture(scope="module")
+def vocab() -> VocabIndex:
+    tokens, specials = lexeme_vocab()
+    return VocabIndex(tokens, specials, len(tokens) + 3)  # 3 padding ids, never allowed
+
+
+def test_sets_agree_with_the_lexer_token_by_token_from_every_state(vocab):
+    """From a character boundary (read densely) and from inside a character or an escape (read sparsely)."""
+    lexer = string_lexer()
+    states = [s for s in range(1, lexer.num_states) if s != lexer.close]
+    assert lexer.start in states and len(states) > 20
+    for first in states:
+        lexeme = StringLexeme(vocab, first)
+        listed = set(lexeme.ids.tolist())
+        inside = set(range(vocab.vocab_size)) - listed if lexeme.is_ban_list else listed
+        closes: dict[int, bytes] = {}  # token -> its bytes after the closing quote, read off the close trie
+        work = [(0, b"")]
+        while work:
+            node, rest = work.pop()
+            for token_id in lexeme.close_tokens[node]:
+                closes[token_id] = rest
+            work += [(child, rest + bytes([byte])) for byte, child in lexeme.close_children[node].items()]
+        for token_id, data in enumerate(vocab.token_bytes):
+            state, closed_rest = first, None
+            for i, byte in enumerate(data):
+                state = lexer.rows[state][byte]
+                if state == lexer.close:
+                    closed_rest = data[i + 1:]
+                    break
+                if state == DEAD:
+                    break
+            is_token = bool(data) and token_id not in vocab.special_set
+            assert (token_id in inside) == (is_token and closed_rest is None and state != DEAD), (first, data)
+            assert closes.get(token_id) == (closed_rest if is_token else None), (first, token_id, data)
+        if first == lexer.start:
+            assert len(closes) > 20 and lexeme.num_inside > 200 and lexeme.is_ban_list
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "inner": {"type": "object", "properties": {"note": {"type": "string"}, "code": {"type": "string", "maxLength": 3},
+                                               "kind": {"enum": ["a", "b\"c"]}},
+              "required": ["note"]},
+}, "required": ["name", "tags", "inner"]}
+
+GRAMMARS = {
+    "json_object": json_object_grammar(),
+    "schema": schema_to_grammar(SCHEMA),
+    "top_level": Grammar({"root": seq(lit('{"a": '), STRING, lit(', "b": ['), STRING, lit("]}"))}),
+}
+# a text of each grammar, walked byte by byte so strings at every depth are reached
+TEXTS = {
+    "json_object": '{"a": {"b\\n": [{"c": "x\\u00e9\\"", "d": ["é中😀", {"e": "\\ud83d\\ude00"}]}], "f": "g"}}',
+    "schema": '{"name": "n\\"ab", "tags": ["x", "中"], "inner": {"note": "é", "code": "a\\nb", "kind": "b\\"c"}}',
+    "top_level": '{"a": "p\\tq", "b": ["r"]}',
+}
+
+
+def check_every_place(runtime: GrammarRuntime, vocab: VocabIndex, text: str) -> int:
+    """Masks equal brute force along `text`, stepped one byte token at a time, and at the configurations its
+    masks allow one token on (where tokens end inside strings, after quotes, mid-escape). -> configurations."""
+    a = runtime.automaton
+    byte_token = {vocab.token_bytes[t][0]: t for t in range(len(vocab.token_bytes))
+                  if len(vocab.token_bytes[t]) == 1 and t not in vocab.special_set}
+    cid = a.start
+    seen: set[int] = set()
+    for byte in list(text.encode()) + [None]:
+        mask = runtime.mask(cid).allowed(vocab.vocab_size)
+        assert torch.equal(mask, brute_mask(a, vocab, cid)), cid
+        seen.add(cid)
+        for t in mask.nonzero().squeeze(1).tolist()[::7]:
+            nxt = runtime.advance(cid, t)
+            if nxt not in seen:
+                seen.add(nxt)
+                assert torch.equal(runtime.mask(nxt).allowed(vocab.vocab_size), brute_mask(a, vocab, nxt)), nxt
+        if byte is None:
+            break
+        cid = runtime.advance(cid, byte_token[byte])
+        assert cid != DEAD
+    assert a.is_accepting[cid]
+    return len(seen)
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_masks_that_take_the_lexeme_sets_equal_brute_force(vocab, name):
+    runtime = GrammarRuntime(compile_grammar(GRAMMARS[name], name), vocab)
+    assert check_every_place(runtime, vocab, TEXTS[name]) > 30
+    assert runtime.num_walks["lexeme"] >= 2  # string bodies took the lexeme's sets, not a walk
+    assert runtime._lexeme.num_below >= 1  # and a narrow walk took those below an opening quote
+
+
+def test_a_string_rule_is_proven_once_at_every_depth(vocab):
+    """json_object's strings are one rule at every depth: the pairing is run for its cut, not per depth, so a
+    deeper output matches more configurations with no more pairings."""
+    runs = []
+    for depth in (2, 6):
+        runtime = GrammarRuntime(compile_grammar(json_object_grammar(), f"deep{depth}"), vocab)
+        check_every_place(runtime, vocab, '{"a": ' * depth + '"x"' + "}" * depth)
+        lexeme = runtime._lexeme
+        runs.append((sum(1 for matched in lexeme._matched.values() if matched is not None), lexeme.num_proven))
+    (shallow_matched, shallow_proven), (deep_matched, deep_proven) = runs
+    assert deep_matched > shallow_matched and deep_proven == shallow_proven
+
+
+def test_inside_a_character_or_an_escape_the_lexeme_sets_serve_too(vocab):
+    """A token that ends inside a character (`中`'s first byte) or an escape (`\\u00`) leaves the request in a
+    lexer state other than the start: its mask comes from that state's sets, exactly."""
+    runtime = GrammarRuntime(compile_grammar(json_object_grammar(), "mid"), vocab)
+    a = runtime.automaton
+    states = set()
+    for prefix in ('{"a": "x', '{"a": {"b": ["'):
+        body = a.step_bytes(a.start, prefix.encode())
+        for piece in ("中".encode()[:1], "中".encode()[:2], b"\\", b"\\u", b"\\u00", "😀".encode()[:3]):
+            cid = a.step_bytes(body, piece)
+            assert torch.equal(runtime.mask(cid).allowed(vocab.vocab_size), brute_mask(a, vocab, cid)), piece
+            matched = runtime._lexeme.match(a.truncate(cid, 3))
+            assert matched is not None, piece
+            states.add(matched[0])
+    assert len(states) == 6 and string_lexer().start not in states
+
+
+@pytest.mark.parametrize("body", ["no_unicode_escapes", "counted"])
+def test_other_string_bodies_are_not_taken_for_the_lexeme(vocab, body):
+    """A string body the lexer does not spell (no \\u escapes; a maxLength) keeps its own walk, and masks stay
+    exact."""
+    if body == "counted":
+        grammar = Grammar({"root": seq(lit('{"a": "'), Repeat(CHAR, 0, 6), lit('"}'))})
+        text = '{"a": "ab\\u00e9"}'
+    else:
+        grammar = Grammar({"root": seq(lit('{"a": '), JSON_STRING, lit("}"))})
+        text = '{"a": "a\\"b"}'
+    runtime = GrammarRuntime(compile_grammar(grammar, body), vocab)
+    check_every_place(runtime, vocab, text)
+    assert runtime.num_walks["lexeme"] == 0 and runtime._lexeme.num_below == 0
