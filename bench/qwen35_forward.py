@@ -2,13 +2,13 @@
 length and delta-rule chunk size, and a decode step's ms after a given context.
 
 python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192,32768] [--rows 1,32] [--chunks 32,64,128]
-    [--dtype bfloat16] [--decode-attention auto,sdpa]
+    [--dtype bfloat16] [--decode-attention auto,sdpa] [--prefill-chunk 2048,0] [--threads 1]
 Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared). A decode's
 cost does not depend on the values in its context, so the decode rows fill the KV cache and the states with
 random values rather than prefilling them (32k prefill on a 2-core CPU takes minutes: pass it to --prefill
 explicitly when wanted). Memory per sequence (states + KV) is computed from the shapes. --decode-attention auto,sdpa
-times each decode row both ways, alternating (auto: the engine's pick, the chunked long-context path from
-long_decode.LONG_DECODE_TOKENS on; sdpa: the batched SDPA at every length, as before it).
+times each decode row both ways, alternating (auto: the engine's pick, long_decode.takes_long_path: the long-context
+path from long_decode.LONG_DECODE_TOKENS on, or for a large enough batch; sdpa: the batched SDPA at every length).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -126,17 +127,29 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--decode-attention", default="auto", help="auto, sdpa, or both: auto,sdpa")
+    parser.add_argument("--prefill-chunk", default="0",
+                        help="prefill in steps of this many tokens (--max-num-batched-tokens; 0: one step), or "
+                             "several: 2048,0")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     keep_freed_heap()  # as the engine's runner does on a CPU
     dtype = getattr(torch, args.dtype)
     prefills = [int(n) for n in args.prefill.split(",") if n]
+    prefill_chunks = [int(n) for n in args.prefill_chunk.split(",") if n]
     contexts = [int(n) for n in args.context.split(",") if n]
     batch_rows = [int(n) for n in args.rows.split(",") if n]
     modes = args.decode_attention.split(",")
-    thresholds = {"auto": long_decode.LONG_DECODE_TOKENS, "sdpa": 1 << 62}
+    thresholds = {"auto": (long_decode.LONG_DECODE_TOKENS, long_decode.BATCH_LONG_TOKENS),
+                  "sdpa": (1 << 62, 1 << 62)}
 
-    def attention_path(mode: str, ctx: int) -> str:
-        return "chunked" if ctx + 1 >= thresholds[mode] else "sdpa"
+    def use(mode: str) -> None:
+        long_decode.LONG_DECODE_TOKENS, long_decode.BATCH_LONG_TOKENS = thresholds[mode]
+
+    def attention_path(mode: str, ctx: int, rows: int = 1) -> str:
+        use(mode)
+        return "chunked" if long_decode.takes_long_path(rows, ctx + 1) else "sdpa"
 
     most = max(prefills + contexts) + 2
     cfg = config_0_8b(most)
@@ -146,38 +159,60 @@ def main() -> None:
     for chunk in (int(c) for c in args.chunks.split(",")):
         model = random_model(cfg, dtype, chunk)
         harness = Harness(model, most, dtype)
-        for n in prefills:
-            reps = 1 if n > 2048 else args.reps
-            times = timed(lambda: harness.step(ids[:n], 0), reps=reps, warmup=1)
+        # Each prompt length at each step size (chunked prefill: one step per chunk, as the engine runs it), in
+        # interleaved rounds after one warm-up round
+        prefill_cases = [(n, step_tokens or n) for n in prefills for step_tokens in prefill_chunks]
+        prefill_times = {case: [] for case in prefill_cases}
+        for round_index in range(1 + (1 if max(prefills, default=0) > 2048 else args.reps)):
+            for n, step_tokens in prefill_cases:
+                started = time.perf_counter()
+                for start in range(0, n, step_tokens):
+                    harness.step(ids[start:min(n, start + step_tokens)], start)
+                if round_index:
+                    prefill_times[n, step_tokens].append(time.perf_counter() - started)
+        for (n, step_tokens), times in prefill_times.items():
             best = min(times)
             print(json.dumps({**base, "kind": "prefill", "chunk_size": chunk, "prompt_tokens": n,
-                              "prefill_tok_s": round(n / best, 1), "prefill_ms": round(best * 1e3, 1),
-                              "reps": reps, "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+                              "step_tokens": min(n, step_tokens), "prefill_tok_s": round(n / best, 1),
+                              "prefill_ms": round(best * 1e3, 1), "reps": len(times),
+                              "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
         if chunk == int(args.chunks.split(",")[0]):
-            for ctx in contexts:
-                for mode in modes:
-                    long_decode.LONG_DECODE_TOKENS = thresholds[mode]
-                    times = timed(lambda: harness.step([7], ctx), reps=max(5, args.reps), warmup=2)
-                    print(json.dumps({**base, "kind": "decode", "rows": 1, "context_tokens": ctx,
-                                      "decode_attention": attention_path(mode, ctx),
-                                      "decode_ms_median": round(statistics.median(times) * 1e3, 2),
-                                      "decode_ms_min": round(min(times) * 1e3, 2),
-                                      "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+            # Contexts and modes in interleaved rounds, so a change in the box's load hits every row alike and the
+            # ratios between rows hold (the box is shared)
+            cases = [(ctx, mode) for ctx in contexts for mode in modes]
+            times = {case: [] for case in cases}
+            for round_index in range(2 + max(5, args.reps)):
+                for ctx, mode in cases:
+                    use(mode)
+                    started = time.perf_counter()
+                    harness.step([7], ctx)
+                    if round_index >= 2:  # two warm-up rounds
+                        times[ctx, mode].append(time.perf_counter() - started)
+            for ctx, mode in cases:
+                first = times[contexts[0], mode]
+                print(json.dumps({**base, "kind": "decode", "rows": 1, "context_tokens": ctx,
+                                  "decode_attention": attention_path(mode, ctx),
+                                  "decode_ms_median": round(statistics.median(times[ctx, mode]) * 1e3, 2),
+                                  "decode_ms_min": round(min(times[ctx, mode]) * 1e3, 2),
+                                  f"median_over_{contexts[0]}": round(statistics.median(times[ctx, mode])
+                                                                      / statistics.median(first), 3),
+                                  f"min_over_{contexts[0]}": round(min(times[ctx, mode]) / min(first), 3),
+                                  "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
             del harness
             ctx = contexts[0] if contexts else 1024
             for rows in (r for r in batch_rows if r > 1):
                 harness = Harness(model, ctx + 2, dtype, rows)
                 for mode in modes:
-                    long_decode.LONG_DECODE_TOKENS = thresholds[mode]
+                    use(mode)
                     times = timed(lambda: harness.step([7], ctx, rows), reps=max(5, args.reps), warmup=2)
                     print(json.dumps({**base, "kind": "decode", "rows": rows, "context_tokens": ctx,
-                                      "decode_attention": attention_path(mode, ctx),
+                                      "decode_attention": attention_path(mode, ctx, rows),
                                       "decode_ms_median": round(statistics.median(times) * 1e3, 2),
                                       "decode_ms_min": round(min(times) * 1e3, 2),
                                       "tok_s": round(rows / statistics.median(times), 1),
                                       "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
                 del harness
-            long_decode.LONG_DECODE_TOKENS = thresholds["auto"]
+            use("auto")
             for ctx in contexts:
                 print(json.dumps({**base, "kind": "memory_per_sequence", **memory_per_sequence(cfg, model, ctx,
                                                                                             dtype)}), flush=True)

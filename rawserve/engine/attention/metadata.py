@@ -42,8 +42,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] bool: slot < the sequence's length
     # (None for a single decode, which sees every slot up to max_decode_len)
     decode_block_run: int | None = None  # a single decode whose blocks are consecutive: the first (read as a view)
-    # CPU decodes past long_decode.LONG_DECODE_TOKENS: each one's chunks (long_decode.LongDecode), planned by the
-    # first layer that reads them and reused by the others
+    # CPU decodes long_decode.takes_long_path picks (a long context or a large batch): each one's chunks
+    # (long_decode.LongDecode), planned by the first layer that reads them and reused by the others
     long_decodes: list | None = None
     # CPU: flat K and V buffers the runner reuses across layers and steps, which the block gathers write into
     # (each at least as long as the largest gather this step); None: each gather allocates its own
