@@ -1,10 +1,14 @@
 """Mixture-of-experts on a CPU, Qwen3-30B-A3B-shaped (hidden 2048, 128 experts of 768, top-8, GQA 32/4 x 128) with
 its 48 layers cut to --layers (4: about 3B parameters with the embedding and head, 0.5B active per token).
 
-python -m bench.moe micro [--tokens 1,32] [--rounds 10]
-    one MoE layer's experts, ms per call for each way of running them: Experts.forward (the tokens sorted by expert,
-    a loop over the experts in use), the same over oneDNN pre-packed experts, and index_select of the chosen experts'
-    weights then one bmm (the tiny-batch alternative). {"bench": "moe_micro", "tokens", "way", "ms"}
+python -m bench.moe micro [--tokens 1,32] [--rounds 10] [--threads N] [--quantization none|int8|int4]
+    one MoE layer's experts, ms per call for each way of running them, interleaved, each call on experts of its own (a
+    step's are not in cache): Experts.forward over the served experts (pre-packed, or quantized; at one token its
+    one-token path), the same experts sorted by expert (the path of any batch), the dense stack's views sorted, and
+    index_select of the chosen experts' weights then one bmm; at one token also the one-token path before
+    (per_expert_loop: each expert whole, weighted, added), the chosen experts' 2k matmuls alone (the floor: GB/s
+    alone against in the layer), and the router's matmul dense and pre-packed. {"bench": "moe_micro", "tokens",
+    "way", "ms", "gb_s"}
 python -m bench.moe decode [--model-dir DIR] [--configs bfloat16,bfloat16+int8] [--streams 1,8,32] [--tokens 16]
     writes the random checkpoint first when DIR holds none (bf16 safetensors, one shard per layer); then per config
     decode tok/s through EngineCore, its threads sized as a served core's (--threads auto: the ThreadGovernor, which
@@ -12,6 +16,12 @@ python -m bench.moe decode [--model-dir DIR] [--configs bfloat16,bfloat16+int8] 
     (attention, routers, the experts each layer ran, the LM head) against the active parameters' bytes (the same,
     with top_k experts of average size per layer). {"bench": "moe_decode", "config", "streams", "tok_s", "step_ms",
     "threads", "loadavg_1m"} and {"bench": "moe_bytes", "config", "read_bytes", "active_bytes", "ratio"}.
+python -m bench.moe step [--config bfloat16|bfloat16+int8] [--threads N] [--rounds 10] [--steps 8] [--prompt 128]
+    one stream through EngineCore at fixed threads, where its step's time goes (the model's forward, the LM head, the
+    MoE MLPs, their experts: ms a step, medians) for four variants interleaved in rounds: served, per_expert_loop
+    (the one-token path before: each expert whole, weighted, added), router_f_linear (the routers dense through
+    F.linear, as before) and before (both). {"bench": "moe_step", "variant", "step_ms", "forward_ms", "lm_head_ms",
+    "moe_ms", "experts_ms", "loadavg_1m"}
 python -m bench.moe serve [--model-dir DIR] [--pairs bf16,int8] [--streams 1,8,32] [--llama-threads N] [--keep]
     side by side with llama.cpp's server through HTTP: the checkpoint (written when absent, with the Qwen3 tokenizer)
     converted to GGUF bf16 and q8_0 by llama.cpp's convert_hf_to_gguf.py, then per pair (rawserve bf16 against
@@ -54,58 +64,105 @@ def emit(row: dict) -> None:
 
 def micro(args: argparse.Namespace) -> None:
     from rawserve.engine.loader import ModelConfig, MoEConfig
-    from rawserve.engine.models.moe import Experts
+    from rawserve.engine.models.moe import Experts, SparseMoe
 
     e, i, h, k = SHAPE["num_experts"], SHAPE["moe_intermediate_size"], SHAPE["hidden_size"], 8
     cfg = ModelConfig("qwen3_moe", "Qwen3MoeForCausalLM", 256, h, i, 1, 32, 4, 128, 1e-6, 1e6, 4096, False, False,
                       True, moe=MoEConfig(e, k, i, "softmax_topk", True, (True,)))
-    experts = Experts(cfg, torch.bfloat16)
     torch.manual_seed(0)
-    experts.gate_up.data.normal_(0, 0.02)
-    experts.down.data.normal_(0, 0.02)
-    packed = [(torch.ops.mkldnn._reorder_linear_weight(experts.gate_up[x]),
-               torch.ops.mkldnn._reorder_linear_weight(experts.down[x])) for x in range(e)]
+    views = Experts(cfg, torch.bfloat16)  # the dense stacks, each expert a view of them
+    views.gate_up.data.normal_(0, 0.02)
+    views.down.data.normal_(0, 0.02)
+    packed = SparseMoe(cfg, torch.bfloat16)  # the served form: router and experts pre-packed
+    packed.router.data.zero_()
+    packed.experts.gate_up.data.copy_(views.gate_up)
+    packed.experts.down.data.copy_(views.down)
+    packed.prepack()
+    experts = packed.experts
+    # 48 routers (a 48-layer model's), each way's call on the next: a step's router is as cold as its experts
+    routers = [torch.randn(e, h, dtype=torch.bfloat16) for _ in range(48)]
+    routers_packed = [torch.ops.mkldnn._reorder_linear_weight(r) for r in routers]
+    calls = {"router_f_linear": 0, "router_prepacked": 0}
 
-    def packed_expert(x: torch.Tensor, index: int) -> torch.Tensor:
-        gate_up, down = packed[index]
-        gate, up = torch.ops.mkldnn._linear_pointwise(x, gate_up, None, "none", [], "").split(i, dim=-1)
-        return torch.ops.mkldnn._linear_pointwise(F.silu(gate) * up, down, None, "none", [], "")
+    def router_way(name: str, x: torch.Tensor) -> None:
+        n = calls[name] = calls[name] + 1
+        if name == "router_f_linear":
+            F.linear(x, routers[n % 48])
+        else:
+            torch.ops.mkldnn._linear_pointwise(x, routers_packed[n % 48], None, "none", [], "")
 
-    def gather_bmm(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if args.quantization != "none":  # the experts as --quantization holds them (the router stays packed)
+        from rawserve.engine.quant import probe_plan
+
+        experts.quant_plan = probe_plan(args.quantization, 128, torch.device("cpu"))
+        experts.quant = [(experts._quantize(views.gate_up[x].float()), experts._quantize(views.down[x].float()))
+                         for x in range(e)]
+        experts.packed = None
+    lp = torch.ops.mkldnn._linear_pointwise
+
+    def per_expert_loop(x, weights, ids):  # the one-token path before: the whole expert, weighted, k times over
+        out = None
+        for j, expert in enumerate(ids[0].tolist()):
+            y = experts.expert(x, expert) * weights[0, j]
+            out = y if out is None else out + y
+        return out
+
+    def matmuls_alone(x, weights, ids):  # the floor of any way: the chosen experts' 2k matmuls and nothing else
+        if experts.quant is not None:
+            x = x.float() if experts.quant[0][0].kernel == "w8a8" else x
+            hidden = torch.zeros(1, i, dtype=x.dtype)
+            for expert in ids[0].tolist():
+                experts.quant[expert][0](x)
+                experts.quant[expert][1](hidden)
+            return None
+        hidden = torch.zeros(1, i, dtype=x.dtype)
+        for expert in ids[0].tolist():
+            lp(x, experts.packed[expert][0], None, "none", [], "")
+            lp(hidden, experts.packed[expert][1], None, "none", [], "")
+        return None
+
+    def gather_bmm(x, weights, ids):
         flat = ids.flatten()
-        gate_up = experts.gate_up.index_select(0, flat)  # [T k, 2I, H]: a copy of the chosen experts
-        down = experts.down.index_select(0, flat)
+        gate_up = views.gate_up.index_select(0, flat)  # [T k, 2I, H]: a copy of the chosen experts
+        down = views.down.index_select(0, flat)
         xs = x.repeat_interleave(k, dim=0).unsqueeze(2)  # [T k, H, 1]
         gate, up = torch.bmm(gate_up, xs).squeeze(2).split(i, dim=-1)
         ys = torch.bmm(down, (F.silu(gate) * up).unsqueeze(2)).squeeze(2) * weights.flatten().unsqueeze(1)
         return ys.view(-1, k, h).sum(1)
 
-    def sorted_packed(x, weights, ids):
-        expert = experts.expert
-        experts.expert = packed_expert
-        try:
-            return experts(x, weights, ids)
-        finally:
-            experts.expert = expert
-
-    ways = {"sorted_loop": lambda x, w, ids: experts(x, w, ids), "sorted_loop_prepacked": sorted_packed,
-            "gather_bmm": gather_bmm}
+    every = {"forward": lambda x, w, ids: experts(x, w, ids),
+            "sorted": lambda x, w, ids: experts.sorted_by_expert(x, w, ids),
+            "sorted_views": lambda x, w, ids: views(x, w, ids), "gather_bmm": gather_bmm}
     with torch.inference_mode():
         for tokens in args.tokens:
-            x = torch.randn(tokens, h, dtype=torch.bfloat16)
-            ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)])
-            w = torch.rand(tokens, k).softmax(-1).bfloat16()
-            want = experts(x, w, ids).float()
+            ways = dict(every)
+            if tokens == 1:  # the one-token ways, and the router's matmul either way
+                ways.update(per_expert_loop=per_expert_loop, matmuls_alone=matmuls_alone,
+                            router_f_linear=lambda x, w, ids: router_way("router_f_linear", x),
+                            router_prepacked=lambda x, w, ids: router_way("router_prepacked", x))
             times: dict[str, list[float]] = {name: [] for name in ways}
-            for _ in range(args.rounds):  # interleaved, so a busy machine slows every way alike
-                for name, way in ways.items():
+            gen = torch.Generator().manual_seed(tokens)
+            for r in range(args.rounds):  # ways interleaved, the order flipped each round; each call on experts of
+                # its own, read cold as in a step
+                for name, way in (list(ways.items()) if r % 2 else list(ways.items())[::-1]):
+                    x = torch.randn(tokens, h, dtype=torch.bfloat16, generator=gen)
+                    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+                    w = torch.rand(tokens, k, generator=gen).softmax(-1).bfloat16()
                     start = time.perf_counter()
                     got = way(x, w, ids)
                     times[name].append((time.perf_counter() - start) * 1000)
-                    assert (got.float() - want).abs().max() < 1e-2 * want.abs().max() + 1e-3, name
+                    want = views(x, w, ids).float()  # checked after the clock stops
+                    if got is not None and got.shape == want.shape:  # int8 experts: within their error
+                        tolerance = 1e-2 if args.quantization == "none" or name.endswith("views") else 0.1
+                        assert (got.float() - want).abs().max() < tolerance * want.abs().max() + 1e-3, name
+            active = experts.top_k * experts.expert_bytes(0)
             for name, ms in times.items():
-                emit({"bench": "moe_micro", "tokens": tokens, "used_experts": int(ids.unique().numel()), "way": name,
-                      "ms": round(statistics.median(ms), 2)})
+                row = {"bench": "moe_micro", "quantization": args.quantization, "tokens": tokens, "way": name,
+                       "ms": round(statistics.median(ms), 3)}
+                if tokens == 1 and name in ("forward", "sorted", "per_expert_loop", "matmuls_alone"):
+                    # the served experts' chosen bytes over the time
+                    row["gb_s"] = round(active / statistics.median(ms) / 1e6, 1)
+                emit({**row, "threads": torch.get_num_threads(), "loadavg_1m": round(os.getloadavg()[0], 2)})
 
 
 # ---- checkpoint ----------------------------------------------------------------------------------------------------
@@ -186,18 +243,20 @@ def decode_one(args: argparse.Namespace) -> None:
               "threads": torch.get_num_threads(), "loadavg_1m": round(os.getloadavg()[0], 2)})
     # the one-stream step's weight bytes, from what the matmuls are handed
     read = {"experts": 0}
-    expert = moe.Experts.expert
+    gate_up, down = moe.Experts.gate_up_proj, moe.Experts.down_proj
 
-    def counting(module, x, index):
-        read["experts"] += module.expert_bytes(index)
-        return expert(module, x, index)
+    def counting(part, proj):
+        def run(module, x, index):
+            read["experts"] += module.weight_bytes(index, part)
+            return proj(module, x, index)
+        return run
 
-    moe.Experts.expert = counting
+    moe.Experts.gate_up_proj, moe.Experts.down_proj = counting("gate_up", gate_up), counting("down", down)
     core.add_request("bytes", [11] * args.prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     core.step()
     read["experts"] = 0
     core.step()
-    moe.Experts.expert = expert
+    moe.Experts.gate_up_proj, moe.Experts.down_proj = gate_up, down
     dense = 0
     blocks = []
     for layer in model.layers:
@@ -205,7 +264,7 @@ def decode_one(args: argparse.Namespace) -> None:
             q = layer.quant.get(name)
             dense += q.num_bytes if q is not None else _packed_bytes(layer, name)
         blocks.append(layer.moe)
-        dense += layer.moe.router.numel() * layer.moe.router.element_size()
+        dense += layer.moe.router_bytes()
     head = model.quant_head.num_bytes if model.quant_head is not None else \
         model.cfg.vocab_size * model.cfg.hidden_size * model.norm.element_size()
     active = dense + head + moe.active_expert_bytes(blocks)
@@ -238,6 +297,93 @@ def decode(args: argparse.Namespace) -> None:
                "--streams", ",".join(map(str, args.streams)), "--tokens", str(args.tokens),
                "--prompt", str(args.prompt), "--threads", str(args.threads)]
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+# ---- step: where a one-stream step's time goes, and the one-token path against the one before ------------------------
+
+def step(args: argparse.Namespace) -> None:
+    """One stream through EngineCore at fixed threads: per variant, interleaved in rounds of --steps steps (the order
+    flipped each round), the step's ms and the parts of it (the model's forward, the LM head, the MoE MLPs, their
+    experts). Variants: served (the one-token path, routers pre-packed), per_expert_loop (the experts each run whole,
+    weighted and added: the path before), router_f_linear (the routers' dense weights through F.linear, as before),
+    before (both)."""
+    from safetensors import safe_open
+
+    from rawserve.config import EngineConfig
+    from rawserve.engine.core import make_engine_core
+    from rawserve.engine.models import moe
+    from rawserve.engine.types import SamplingParams
+
+    model_dir = _ensure_checkpoint(args)
+    dtype, _, scheme = args.config.partition("+")
+    core = make_engine_core(EngineConfig(model_dir=str(model_dir), device="cpu", dtype=dtype,
+                                         quantization=scheme or "none", max_num_seqs=4, max_num_batched_tokens=2048,
+                                         max_model_len=2048, num_kv_blocks=256, num_threads=args.threads))
+    model = core.runner.model
+    blocks = [layer.moe for layer in model.layers]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    dense_routers = []
+    for i in range(len(blocks)):
+        name = f"model.layers.{i}.mlp.gate.weight"
+        with safe_open(str(model_dir / index[name]), "pt") as f:
+            dense_routers.append(f.get_tensor(name).to(model.norm.dtype))
+    served_linear, served_forward = moe.SparseMoe.linear, moe.Experts.forward
+
+    def router_f_linear(block, x, name, bias=None):
+        if name == "router":
+            return F.linear(x, dense_routers[blocks.index(block)], bias)
+        return served_linear(block, x, name, bias)
+
+    def per_expert_loop(experts, x, weights, ids):
+        if ids.shape[0] != 1:
+            return experts.sorted_by_expert(x, weights, ids)
+        out = None
+        for j, expert in enumerate(ids[0].tolist()):
+            y = experts.expert(x, expert) * weights[0, j]
+            out = y if out is None else out + y
+        return out
+
+    variants = {"served": (served_linear, served_forward), "per_expert_loop": (served_linear, per_expert_loop),
+                "router_f_linear": (router_f_linear, served_forward), "before": (router_f_linear, per_expert_loop)}
+    parts: dict[str, float] = {}
+
+    def timed(name: str, fn):
+        def run(*a, **k):
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+            return out
+        return run
+
+    core.add_request("one", list(range(100, 100 + args.prompt)),
+                     SamplingParams(temperature=0, max_tokens=2048 - args.prompt - 8, ignore_eos=True))
+    core.step()
+    for _ in range(3):
+        core.step()
+    model.forward, model.compute_logits = timed("forward", model.forward), timed("lm_head", model.compute_logits)
+    served_moe = moe.SparseMoe.forward
+    moe.SparseMoe.forward = timed("moe", served_moe)
+    got: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
+    loads = []
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for name in (list(variants) if r % 2 else list(variants)[::-1]):
+            linear, forward = variants[name]
+            moe.SparseMoe.linear = linear
+            moe.Experts.forward = timed("experts", forward)
+            for _ in range(args.steps):
+                parts.clear()
+                start = time.perf_counter()
+                core.step()
+                row = got[name]
+                row.setdefault("step", []).append(time.perf_counter() - start)
+                for part, seconds in parts.items():
+                    row.setdefault(part, []).append(seconds)
+    moe.SparseMoe.linear, moe.Experts.forward, moe.SparseMoe.forward = served_linear, served_forward, served_moe
+    for name, row in got.items():
+        emit({"bench": "moe_step", "config": args.config, "variant": name, "threads": torch.get_num_threads(),
+              **{f"{part}_ms": round(1000 * statistics.median(v), 2) for part, v in row.items()},
+              "steps": len(row["step"]), "loadavg_1m": [round(min(loads), 2), round(max(loads), 2)]})
 
 
 # ---- serve: side by side with llama.cpp's server ---------------------------------------------------------------------
@@ -398,15 +544,18 @@ def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=("micro", "decode", "decode-one", "serve"))
+    parser.add_argument("mode", choices=("micro", "decode", "decode-one", "step", "serve"))
+    parser.add_argument("--steps", type=int, default=8, help="step: steps per variant per round")
     parser.add_argument("--tokens", default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--model-dir", default="/tmp/rawserve-bench-moe")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--configs", default="bfloat16,bfloat16+int8")
     parser.add_argument("--config", default="bfloat16")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                        help="micro: the experts' form (the ways over views and gather_bmm stay bf16)")
     parser.add_argument("--streams", default="1,8,32")
-    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (decode: 16, step: 128)")
     parser.add_argument("--pairs", default="bf16,int8", help="serve: rawserve bf16 vs GGUF bf16, int8 vs q8_0")
     parser.add_argument("--llama-server", default=str(PEERS_ROOT / "llama.cpp" / "build" / "bin" / "llama-server"))
     parser.add_argument("--llama-python", default=str(PEERS_ROOT / "venv" / "bin" / "python"),
@@ -418,15 +567,21 @@ def main() -> None:
                         "every CPU, as ../shared/peers/run.sh); rawserve keeps its own auto threads")
     args = parser.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
+    args.prompt = args.prompt or (128 if args.mode == "step" else 16)
     args.configs = args.configs.split(",")
     args.pairs = args.pairs.split(",")
     args.llama_source = pathlib.Path(args.llama_server).resolve().parents[2]
     if args.mode == "micro":
+        if args.threads != "auto":
+            torch.set_num_threads(int(args.threads))
         args.tokens = [int(t) for t in (args.tokens or "1,32").split(",")]
         micro(args)
         return
     if args.mode == "serve":
         serve(args)
+        return
+    if args.mode == "step":
+        step(args)
         return
     args.tokens = int(args.tokens or 16)
     (decode if args.mode == "decode" else decode_one)(args)

@@ -33,27 +33,35 @@ def qwen3_moe(tmp_path_factory):
 
 
 class Reads:
-    """Records, per Experts module, the expert ids its router chose and the experts whose weights it read."""
+    """Records, per Experts module, the expert ids its router chose and the experts whose weights it read (each of
+    an expert's two matrices, as handed to its matmul)."""
 
     def __init__(self, monkeypatch) -> None:
         self.chosen: dict[int, set[int]] = {}
         self.read: dict[int, list[int]] = {}
-        expert, forward = moe.Experts.expert, moe.Experts.forward
+        self.read_down: dict[int, list[int]] = {}
+        gate_up, down, forward = moe.Experts.gate_up_proj, moe.Experts.down_proj, moe.Experts.forward
 
-        def recording_expert(module, x, index):
+        def recording_gate_up(module, x, index):
             self.read.setdefault(id(module), []).append(index)
-            return expert(module, x, index)
+            return gate_up(module, x, index)
+
+        def recording_down(module, h, index):
+            self.read_down.setdefault(id(module), []).append(index)
+            return down(module, h, index)
 
         def recording_forward(module, x, weights, ids):
             self.chosen.setdefault(id(module), set()).update(ids.flatten().tolist())
             return forward(module, x, weights, ids)
 
-        monkeypatch.setattr(moe.Experts, "expert", recording_expert)
+        monkeypatch.setattr(moe.Experts, "gate_up_proj", recording_gate_up)
+        monkeypatch.setattr(moe.Experts, "down_proj", recording_down)
         monkeypatch.setattr(moe.Experts, "forward", recording_forward)
 
     def clear(self) -> None:
         self.chosen.clear()
         self.read.clear()
+        self.read_down.clear()
 
 
 @pytest.mark.parametrize("num_streams", [1, 3])
@@ -69,6 +77,7 @@ def test_a_decode_step_reads_only_the_experts_its_tokens_chose(qwen3_moe, monkey
     for module, read in reads.read.items():
         assert sorted(read) == sorted(set(read)), "an expert ran twice in one layer"
         assert set(read) == reads.chosen[module]  # every chosen expert, and no other
+        assert sorted(reads.read_down[module]) == sorted(read)  # both matrices of each, once
         if num_streams == 1:
             assert len(read) == cfg.top_k < cfg.num_experts
         else:

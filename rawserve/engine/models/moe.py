@@ -76,7 +76,7 @@ class Experts(nn.Module):
         moe = cfg.moe
         self.num_experts, self.top_k, self.inter = moe.num_experts, moe.top_k, moe.expert_intermediate_size
         self.hidden = cfg.hidden_size
-        self.activation, self.alpha, self.limit = moe.activation, moe.swiglu_alpha, moe.swiglu_limit
+        self.activation_kind, self.alpha, self.limit = moe.activation, moe.swiglu_alpha, moe.swiglu_limit
         e, i, h = self.num_experts, self.inter, self.hidden
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
@@ -128,7 +128,7 @@ class Experts(nn.Module):
         gpt-oss's [E, H, 2I] interleaved gate/up and [E, I, H] down, in bf16 or as MXFP4 blocks and scales."""
         p = f"{prefix}.experts"
         e, i, h = self.num_experts, self.inter, self.hidden
-        if self.activation == "gpt_oss":
+        if self.activation_kind == "gpt_oss":
             return self._gpt_oss_targets(p, names)
         if f"{p}.gate_up_proj" in names:
             return {f"{p}.gate_up_proj": self._stacked("gate_up", (e, 2 * i, h)),
@@ -231,48 +231,83 @@ class Experts(nn.Module):
     def num_quantized(self) -> int:
         return 2 * sum(q is not None for q in self.quant) if self.quant is not None else 0
 
+    def weight_bytes(self, expert: int, part: str) -> int:
+        """Bytes of one expert's gate_up or down matrix as its matmul reads it (quantized, packed or dense)."""
+        which = 0 if part == "gate_up" else 1
+        if self.quant is not None:
+            return self.quant[expert][which].num_bytes
+        if self.packed is not None:
+            w = self.packed[expert][which]
+            return w.numel() * w.element_size()
+        w = (self.gate_up if part == "gate_up" else self.down)[expert]
+        return w.numel() * w.element_size()
+
     def expert_bytes(self, expert: int) -> int:
         """Bytes of one expert's weights as its matmuls read them (quantized or dense)."""
-        if self.quant is not None:
-            return sum(q.num_bytes for q in self.quant[expert])
-        if self.packed is not None:
-            return sum(w.numel() * w.element_size() for w in self.packed[expert])
-        return (self.gate_up[expert].numel() + self.down[expert].numel()) * self.gate_up.element_size()
+        return self.weight_bytes(expert, "gate_up") + self.weight_bytes(expert, "down")
 
     # ---- compute -------------------------------------------------------------------------------------------------
+    # Every read of an expert's weights goes through gate_up_proj and down_proj (tests/engine/test_moe_model.py counts
+    # them; bench/moe.py sums the bytes they are handed).
 
-    def expert(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """One expert over its rows: [n, H] -> [n, H]. Every read of an expert's weights goes through here."""
+    def gate_up_proj(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """[n, H] -> [n, 2I] (gate columns, then up) through expert `index`'s first matrix, its bias added."""
+        bias = None if self.gate_up_bias is None else self.gate_up_bias[index]
         if self.quant is not None:
-            gate_up, down = self.quant[index]
-            h = gate_up(x, None if self.gate_up_bias is None else self.gate_up_bias[index])
-        elif self.packed is not None:
-            h = torch.ops.mkldnn._linear_pointwise(x, self.packed[index][0], None if self.gate_up_bias is None
-                                                   else self.gate_up_bias[index], "none", [], "")
-        else:
-            h = F.linear(x, self.gate_up[index], None if self.gate_up_bias is None else self.gate_up_bias[index])
-        gate, up = h.split(self.inter, dim=-1)  # [n, I] each
-        if self.activation == "gpt_oss":
-            gate = gate.clamp(max=self.limit)
-            h = (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        else:
-            h = F.silu(gate) * up
+            return self.quant[index][0](x, bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed[index][0], bias, "none", [], "")
+        return F.linear(x, self.gate_up[index], bias)
+
+    def down_proj(self, h: torch.Tensor, index: int) -> torch.Tensor:
+        """[n, I] -> [n, H] through expert `index`'s second matrix, its bias added."""
         bias = None if self.down_bias is None else self.down_bias[index]
         if self.quant is not None:
-            return down(h, bias)
+            return self.quant[index][1](h, bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(h, self.packed[index][1], bias, "none", [], "")
         return F.linear(h, self.down[index], bias)
 
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] gate_up outputs (of one expert or of several stacked) -> [n, I]."""
+        gate, up = h.split(self.inter, dim=-1)  # [n, I] each
+        if self.activation_kind == "gpt_oss":
+            gate = gate.clamp(max=self.limit)
+            return (up.clamp(-self.limit, self.limit) + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.silu(gate) * up
+
+    def expert(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """One expert over its rows: [n, H] -> [n, H]."""
+        return self.down_proj(self.activation(self.gate_up_proj(x, index)), index)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights and ids [T, k] -> the weighted sum of each token's k experts [T, H]."""
-        num_tokens, k = ids.shape
-        if num_tokens == 1:  # one token: its k experts in turn, no sort, no scatter
-            out = None
-            for j, expert in enumerate(ids[0].tolist()):
-                y = self.expert(x, expert) * weights[0, j]
-                out = y if out is None else out + y
-            return out
+        if ids.shape[0] == 1:
+            return self.one_token(x, weights, ids)
+        return self.sorted_by_expert(x, weights, ids)
+
+    def one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A decode step of one stream: [1, H] through its k experts, no sort, no scatter. Only the matmuls run once
+        per expert: the activation runs once over the k stacked gate_up rows, and the weighted sum is one [1, k] x
+        [k, H] product in float32 (bf16's mm pays a oneDNN set-up of 15-50 us at this size, float32's 2-4), so a
+        layer makes about 2k + 10 calls where running each expert whole made 8k. W8A8 experts compute in float32:
+        fed float32, their chain makes no casts (3k fewer calls). The matmuls are most of it either way: bench.moe
+        micro (one layer, one thread, loaded box) gave forward 2.7-3.9 ms against per_expert_loop 2.8-3.8 and the
+        16 matmuls alone 2.6-3.6 in bf16, and 3.7 against 5.4 ms with W8A8 experts."""
+        chosen = ids[0].tolist()  # the step's one host sync per layer
+        if self.quant is not None and self.quant[chosen[0]][0].kernel == "w8a8":
+            x_in = x.float()
+        else:
+            x_in = x
+        h = torch.cat([self.gate_up_proj(x_in, e) for e in chosen])  # [k, 2I]
+        rows = self.activation(h).split(1)  # k views [1, I]
+        ys = torch.cat([self.down_proj(row, e) for row, e in zip(rows, chosen)])  # [k, H]
+        return torch.mm(weights.float(), ys.float()).to(x.dtype)  # [1, H]
+
+    def sorted_by_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Any number of tokens: the (token, choice) pairs sorted by expert, each expert in use run once over its
+        rows, the rows weighted and added back to their tokens."""
+        k = ids.shape[1]
         flat = ids.flatten()  # [T k]: pair p is token p // k's choice p % k
         order = flat.argsort(stable=True)  # the pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
@@ -308,6 +343,7 @@ class SparseMoe(nn.Module):
         self.shared_gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False) \
             if shared else None
         self.checkpoint_names: set[str] = set()
+        self.packed: dict[str, torch.Tensor] = {}  # CPU: router and shared-expert weights in oneDNN's layout (prepack)
 
     def targets(self, prefix: str) -> dict[str, Target]:
         """prefix: the layer's "…mlp". Qwen names the router mlp.gate, gpt-oss mlp.router (with a bias). The
@@ -328,14 +364,39 @@ class SparseMoe(nn.Module):
                       f"{prefix}.shared_expert_gate.weight": (self.shared_gate, 0, 1)})
         return t
 
+    def prepack(self) -> None:
+        """CPU: the router and the shared expert's matrices in oneDNN's pre-packed layout, as DecoderLayer.prepack
+        packs attention's, then the experts' (Experts.prepack). For the shared expert's MLP-sized matrices that is
+        the 2-3x of cpu-kernels.md; for the small [E, H] router the measurements disagree (48 cold bf16 [128, 2048]
+        routers, one row, one thread, loaded box: 52-59 against 82-167 us a call packed; bench.moe micro: 97-156
+        against 66-113), and a one-stream step gives the same time either way (bench.moe step, router_f_linear)."""
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        for name in ("router", "shared_gate_up", "shared_down"):
+            param = getattr(self, name)
+            if param is not None:
+                self.packed[name] = reorder(param.detach())
+                param.data = torch.empty(0, dtype=param.dtype)
+        self.experts.prepack()
+
+    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = self.packed.get(name)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, getattr(self, name), bias)
+
+    def router_bytes(self) -> int:
+        """Bytes of the router's weight as its matmul reads it (every token's step reads all of it)."""
+        w = self.packed.get("router", self.router)
+        return w.numel() * w.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (normed) -> the MLP's output [T, H]."""
-        weights, ids = route(F.linear(x, self.router, self.router_bias), self.cfg.top_k, self.cfg.router,
+        weights, ids = route(self.linear(x, "router", self.router_bias), self.cfg.top_k, self.cfg.router,
                              self.cfg.norm_topk_prob)
         out = self.experts(x, weights, ids)
         if self.shared_gate_up is not None:
-            gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
-            shared = F.linear(F.silu(gate) * up, self.shared_down)
+            gate, up = self.linear(x, "shared_gate_up").chunk(2, dim=-1)
+            shared = self.linear(F.silu(gate) * up, "shared_down")
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out
 

@@ -125,5 +125,5 @@ def load_moe_model(model_dir: str | pathlib.Path, dtype: torch.dtype, device: to
     model.load_checkpoint(model_dir, device, prepack=prepack, quant=quant, on_filled=on_filled)
     if prepack:
         for block in blocks:
-            block.experts.prepack()
+            block.prepack()
     return model.eval()
