@@ -169,14 +169,19 @@ class Scheduler:
         waits for that prefill to end and continues from the cached prefix instead of computing the same tokens
         beside it (the n samples of one prompt, one system prompt sent by many clients at once). On a hybrid
         model this is how samples share their prompt: the first's state, saved at its prompt's last block edge,
-        is restored into each of the others."""
-        if num_hit_blocks >= (req.num_tokens - 1) // self.kv.block_size:
+        is restored into each of the others, so there a request waits only for a prefill whose whole prompt up to
+        that edge it shares (a KV hit short of a saved state would be of no use to it)."""
+        bs = self.kv.block_size
+        if num_hit_blocks >= (req.num_tokens - 1) // bs:
             return False  # no full block left to compute that another could share
-        key = req.block_hashes[num_hit_blocks]
+        hashes = req.block_hashes
         for other in prefilling:
-            hashes = other.block_hashes
-            if (other.status is RequestStatus.RUNNING and other.num_computed_tokens < other.num_prompt_tokens
-                    and len(hashes) > num_hit_blocks and hashes[num_hit_blocks] == key):
+            theirs = other.block_hashes
+            if other.status is not RequestStatus.RUNNING or other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            # Block hashes are chained: one equal hash means the whole prefix before it is equal too
+            shared = (other.num_prompt_tokens - 1) // bs if self.states is not None else num_hit_blocks + 1
+            if num_hit_blocks < shared <= min(len(theirs), len(hashes)) and theirs[shared - 1] == hashes[shared - 1]:
                 return True
         return False
 

@@ -103,6 +103,19 @@ def test_n_2_samples_each_equal_transformers(ckpt, hf):
     assert_no_leak(core)
 
 
+def test_a_prompt_sharing_only_part_of_a_prefill_does_not_wait_for_it(ckpt):
+    # No state is saved where the two part (block 2 of 5), so waiting for the first would gain the second nothing
+    first = prompt(23, 5)
+    second = first[:8] + prompt(15, 6)
+    core = make_core(ckpt)
+    core.add_request("a", first, greedy(2))
+    core.add_request("b", second, greedy(2))
+    core.step()
+    assert core.requests["a"].num_computed_tokens > 0 and core.requests["b"].num_computed_tokens > 0
+    step_to_end(core)
+    assert_no_leak(core)
+
+
 def test_prefix_hit_restores_a_saved_state_and_gives_the_cold_output(ckpt, hf):
     ids = prompt(23, 5)
     core = make_core(ckpt)
