@@ -4,6 +4,7 @@ Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32
 python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
                        [--cold-decode] [--cold-decode-tokens 48] [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
+                       [--lexeme-ab-part all|counted]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
 runs, then the issue's targets); logs go to stderr. xgrammar and llguidance are bench-only extras.
 
@@ -150,6 +151,12 @@ class ForcedTool:
 CASES = {"get_weather": (WEATHER_SCHEMA, WEATHER_INSTANCE), "nested20": (NESTED20_SCHEMA, NESTED20_INSTANCE),
          "json_object": (None, NESTED20_INSTANCE),
          "get_weather_tool_call": (ForcedTool("get_weather", WEATHER_SCHEMA), WEATHER_INSTANCE)}
+# Not run by default (name it in --cases): long counted strings, a title and a body with maxLength, the body's
+# 315 characters, where most places have room for every token and take the string lexeme's sets.
+EXTRA_CASES = {"counted_text": (
+    _obj({"title": {"type": "string", "maxLength": 120}, "body": {"type": "string", "maxLength": 1000}},
+         ["title", "body"]),
+    {"title": "A short title for the thing", "body": "The quick brown fox jumps over the lazy dog; " * 7})}
 
 
 def output_text(schema, instance) -> str:
@@ -776,40 +783,51 @@ def bench_cold_decode(args, model_dir: str, tokenizer, ours: Ours, base: dict) -
 
 def bench_lexeme_ab(args, ours: Ours, tokenizer, base: dict) -> list[dict]:
     """Per case, --lexeme-ab rounds of a cold compile and first pass with the string lexeme's shared sets off, then
-    on (engine/guided/lexemes.py; off: LexemeWalk's walks patched to refuse, as before they existed), in one process
-    and in turn, so the box's load hits both alike. Timed: this thread's CPU in mask() alone, per pass."""
+    on (engine/guided/lexemes.py; off: LexemeWalk's walks patched to refuse, as before they existed; with
+    --lexeme-ab-part counted, only its match of counted strings' places), in one process and in turn, so the box's
+    load hits both alike. Timed: this thread's CPU in mask() per pass, and apart in advance()."""
     from rawserve.engine.guided import lexemes
     from rawserve.engine.guided.matcher import GuidedState
 
     walk, walk_below = lexemes.LexemeWalk.walk, lexemes.LexemeWalk.walk_below
+    counted = lexemes.LexemeWalk._match_counted
     rows = []
     for case in args.cases.split(","):
-        schema, instance = CASES[case]
+        schema, instance = {**CASES, **EXTRA_CASES}[case]
         tokens = tokenizer.encode(output_text(schema, instance), add_special_tokens=False)
-        passes: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+        passes: dict[str, list[tuple[float, float, float]]] = {"off": [], "on": []}
         try:
             for rep in range(args.lexeme_ab):
                 for mode in ("off", "on"):
-                    lexemes.LexemeWalk.walk = walk if mode == "on" else (lambda self, cid: None)
-                    lexemes.LexemeWalk.walk_below = walk_below if mode == "on" else (lambda self, *a: False)
+                    if args.lexeme_ab_part == "counted":  # only the counted strings' places (maxLength) off
+                        lexemes.LexemeWalk._match_counted = counted if mode == "on" else (lambda self, cid: None)
+                    else:
+                        lexemes.LexemeWalk.walk = walk if mode == "on" else (lambda self, cid: None)
+                        lexemes.LexemeWalk.walk_below = walk_below if mode == "on" else (lambda self, *a: False)
                     runtime, _, _ = ours.compile(schema, f"ab-{case}-{mode}-{rep}-{time.monotonic_ns()}")
                     state = GuidedState(runtime)
-                    total = largest = 0.0
+                    total = largest = advancing = 0.0
                     for i in range(len(tokens) + 1):
                         began = time.thread_time()
                         state.mask()
                         took = time.thread_time() - began
                         total, largest = total + took, max(largest, took)
                         if i < len(tokens):
+                            began = time.thread_time()
                             state.advance(tokens[i])
-                    passes[mode].append((total * 1e3, largest * 1e3))
+                            advancing += time.thread_time() - began
+                    passes[mode].append((total * 1e3, largest * 1e3, advancing * 1e3))
         finally:
             lexemes.LexemeWalk.walk, lexemes.LexemeWalk.walk_below = walk, walk_below
-        row = {**base, "bench": "guided_lexeme_ab", "schema": case, "rounds": args.lexeme_ab}
+            lexemes.LexemeWalk._match_counted = counted
+        row = {**base, "bench": "guided_lexeme_ab", "schema": case, "rounds": args.lexeme_ab,
+               "part": args.lexeme_ab_part}
         for mode, runs in passes.items():
-            row[f"first_pass_cpu_ms_median_{mode}"] = round(statistics.median(t for t, _ in runs), 2)
-            row[f"first_pass_cpu_ms_min_{mode}"] = round(min(t for t, _ in runs), 2)
-            row[f"largest_mask_cpu_ms_median_{mode}"] = round(statistics.median(m for _, m in runs), 2)
+            row[f"first_pass_cpu_ms_median_{mode}"] = round(statistics.median(t for t, _, _ in runs), 2)
+            row[f"first_pass_cpu_ms_min_{mode}"] = round(min(t for t, _, _ in runs), 2)
+            row[f"largest_mask_cpu_ms_median_{mode}"] = round(statistics.median(m for _, m, _ in runs), 2)
+            # the tokens' advances: a configuration no walk expanded is stepped by its own bytes
+            row[f"advance_cpu_ms_median_{mode}"] = round(statistics.median(v for _, _, v in runs), 2)
         row["ratio_median_on_over_off"] = round(
             row["first_pass_cpu_ms_median_on"] / row["first_pass_cpu_ms_median_off"], 3)
         row["load_avg_1m"] = round(os.getloadavg()[0], 2)
@@ -852,10 +870,13 @@ def main() -> None:
     parser.add_argument("--lexeme-ab", type=int, default=0, metavar="ROUNDS",
                         help="Only the first-pass CPU of ours with the string lexeme's shared sets off and on, in "
                              "turn, ROUNDS times per case (--cases).")
+    parser.add_argument("--lexeme-ab-part", default="all", choices=("all", "counted"),
+                        help="What --lexeme-ab turns off: every use of the lexeme's sets, or only the places of "
+                             "counted (maxLength) strings.")
     parser.add_argument("--shape", default="0.6b", choices=("0.6b", "tiny"),
                         help="The decode model's shape (the Qwen3 tokenizer either way): tiny keeps the forward "
                              "small, so the decode runs show the host's share.")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES), help=f"Of {sorted(CASES)}, and {sorted(EXTRA_CASES)}.")
     parser.add_argument("--mask-threads", type=int, default=1,
                         help="torch threads for the compile/mask part (0: torch's default). On a shared 2-core box "
                              "a 2-thread fill_ of one row waits milliseconds for the second OpenMP thread.")
@@ -904,7 +925,7 @@ def main() -> None:
         return
     all_rows: dict[str, dict[str, dict]] = {}
     for case in args.cases.split(","):
-        schema, instance = CASES[case]
+        schema, instance = {**CASES, **EXTRA_CASES}[case]
         text = output_text(schema, instance)
         tokens = tokenizer.encode(text, add_special_tokens=False)
         log.info("%s: %d characters, %d tokens", case, len(text), len(tokens))

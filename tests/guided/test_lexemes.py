@@ -9,7 +9,7 @@ from rawserve.engine.guided.automaton import DEAD
 from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.json_strings import CHAR, STRING
-from rawserve.engine.guided.lexemes import StringLexeme, string_lexer
+from rawserve.engine.guided.lexemes import SHIFT_SPARE, StringLexeme, string_lexer
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.vocab import VocabIndex
@@ -162,3 +162,45 @@ def test_other_string_bodies_are_not_taken_for_the_lexeme(vocab, body):
     runtime = GrammarRuntime(compile_grammar(grammar, body), vocab)
     check_every_place(runtime, vocab, text)
     assert runtime.num_walks["lexeme"] == 0 and runtime._lexeme.num_below == 0
+
+
+@pytest.mark.parametrize("shape", ["top_level", "in_array", "min_length"])
+def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_places(vocab, shape):
+    """A maxLength string's places with room for the vocabulary's longest token (and SHIFT_SPARE copies more)
+    take the lexeme's sets, proven on one place a copy apart from the rest; its first place (before the run)
+    too; the places nearer the end keep the plain walk. Masks stay exact at every place, the string filled to
+    its bound, characters of one to four bytes and escapes alike."""
+    room = SHIFT_SPARE + max(map(len, vocab.token_bytes))
+    n = room + 20
+    body = ("ab\\n中é😀\\u00e9" * n)[:n * 2]
+    chars, i = [], 0  # n characters of the body, escapes counted as one
+    while len(chars) < n:
+        step = 6 if body.startswith("\\u", i) else 2 if body[i] == "\\" else 1
+        chars.append(body[i:i + step])
+        i += step
+    text = "".join(chars)
+    schema = {"type": "string", "maxLength": n}
+    if shape == "in_array":
+        schema = {"type": "array", "items": schema}
+        text = f'["x", "{text}"]'
+    else:
+        if shape == "min_length":
+            schema = {**schema, "minLength": 2}
+        text = f'"{text}"'
+    runtime = GrammarRuntime(compile_grammar(schema_to_grammar(schema), f"counted-{shape}"), vocab)
+    check_every_place(runtime, vocab, text)
+    lexeme = runtime._lexeme
+    # the places before the last `room` or so: one pairing proves the run's, a few more its first places
+    assert lexeme.num_counted >= 12 and lexeme.num_counted_proven <= 4, (lexeme.num_counted, lexeme.num_counted_proven)
+    assert runtime.num_walks["plain"] >= room - 10  # the run's last places: the plain walk
+    # a token inside the string advances from such a place by shifting, to where its bytes step
+    a = runtime.automaton
+    num_shifted = 0
+    for cid in list(lexeme._counted_run):
+        for t in range(0, len(vocab.token_bytes), 3):
+            data = vocab.token_bytes[t]
+            shifted = lexeme.advance_counted(cid, data) if data and t not in vocab.special_set else None
+            if shifted is not None:
+                assert shifted == a.step_bytes(cid, data), (cid, data)
+                num_shifted += 1
+    assert num_shifted > 100

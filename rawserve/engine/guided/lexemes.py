@@ -3,7 +3,8 @@ tokens that stay inside a string body, and a trie of what follows a token's clos
 
 A grammar configuration proven to move as the lexer does from one of its states (`LexemeWalk.match`, a pairing of
 its rows with the lexer's) takes that state's inside set whole and walks only the close trie, from the
-configuration after the quote.
+configuration after the quote. A place of a counted (maxLength) string does too while it has room for every
+token (`LexemeWalk._match_counted`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ _BUILD_LOCK = threading.Lock()
 # What the sets read below opening quotes inside tokens (StringLexeme.anchored) may hold, per vocabulary; a few
 # KB each for `"` and ` "` on Qwen3's vocabulary.
 MAX_ANCHORED_BYTES = 16 << 20
+# A copy of a counted run steps as the one a copy on does while it has this many copies to spare
+# (Automaton.shift_next: a character is at most four bytes, each taking a thread at most one copy on).
+SHIFT_SPARE = 5
 
 
 class StringLexer:
@@ -119,6 +123,8 @@ class StringLexeme:
             self.close_tokens[at].append(token_id)
             self.close_tokens[at].extend(dups.get(token_id, ()))
         self.nbytes = self.ids.numel() * 8 + 120 * len(self.close_children) + 8 * len(closing)
+        # the most characters a token (or its rest after an opening quote) begins: a byte begins one at most
+        self.max_chars = max(map(len, token_bytes), default=0)
         self._vocab = vocab
         self._anchored: dict[int, tuple[list[int], list[dict[int, int]], list[list[int]]]] = {}
         self.anchored_bytes = 0
@@ -260,6 +266,13 @@ class LexemeWalk:
         self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self.cache_bytes = 0
         self.num_proven = 0  # pairings run, apart from the ones kept
+        # counted strings: a place's shift key -> (its lowest copy, the fewest copies any configuration of its
+        # pairing had to spare, the configuration after the quote), for places proven to move as the lexer's start
+        # does with the next character leading one copy on
+        self._counted: dict[tuple, tuple[int, int, int]] = {}
+        self.num_counted = 0  # configurations matched as a place of a counted string
+        self.num_counted_proven = 0  # the pairings that took
+        self._counted_run: dict[int, int] = {}  # a counted place matched with room -> its run
         self.num_below = 0  # subtrees below an opening quote taken from the anchored sets
 
     def clear(self) -> None:
@@ -270,7 +283,8 @@ class LexemeWalk:
         """(lexer state, the configuration a closing quote leads to) when cid moves, byte for byte, as the string
         lexer does from that state (same bytes alive, runs alike, every configuration inside kind 1, the quote
         closing into that one configuration); else None. Each lexer state pairs with one configuration, so a
-        counted string (a new configuration per place) is refused at its second place.
+        counted string (a new configuration per place) is refused at its second place, then taken by
+        _match_counted where it has room for every token.
 
         When all of cid's threads share one stack, the pairing is proven once for cid cut to no frames
         (Automaton.truncate(cid, 0)), which every string of that rule shares at any depth, provided no
@@ -305,8 +319,141 @@ class LexemeWalk:
                         result = (state, closes[quote[0]])
             if result is not None:
                 break
+        if result is None and lexer.start in lexer.by_alive.get(alive_bytes(row), ()):
+            close = self._match_counted(cid)
+            if close is not None:
+                result = (lexer.start, close)
+                self.num_counted += 1
         self._matched[cid] = result
         return result
+
+    def _match_counted(self, cid: int) -> int | None:
+        """The configuration after the closing quote, when cid is a place of a counted string (maxLength: a run
+        of alike copies of one character, CompiledGrammar.repeats) with room for every token: then each token
+        moves from cid as from the lexer's start, and its mask is the lexeme's, uncounted. Else None.
+
+        Proven on one place: its pairing with the lexer (_pair_counted) where a character leads one copy on and
+        the quote to one configuration outside the run; every place with the same shift key steps as that one,
+        a copy apart, while its configurations have SHIFT_SPARE copies to spare (Automaton.shift_next), so a
+        place whose pairing spares SHIFT_SPARE + the vocabulary's longest token (a byte begins at most one
+        character) moves as the lexer does through any token. The string's first place (its threads before the
+        run) is proven by its own pairing, into the second place proven so."""
+        a = self.automaton
+        room = SHIFT_SPARE + string_lexeme(self.vocab).max_chars
+        run = a.shift_key(cid)[1]
+        if run >= 0:
+            # a pairing spares no more than its place does: the near end of a run is refused without one
+            if a.spare_in(cid, run) < room:
+                return None
+            proven = self._counted_place(cid, run)
+            if isinstance(proven, tuple):
+                if proven[0] < room:
+                    return None
+                self._counted_run[cid] = run
+                return proven[1]
+        elif run == -1:  # the string's first place, before the run, if a character (`a`) leads into one
+            second = a.expand(cid)[0x61]
+            nxt_run = a.shift_key(second)[1]
+            if nxt_run < 0 or a.spare_in(second, nxt_run) < room:
+                return None
+            proven = self._pair_counted(cid)
+        else:
+            return None
+        if proven is None:
+            return None
+        step, close = proven[0], proven[1]  # a place whose pairing leads into the next place, proven so
+        run = a.shift_key(step)[1]
+        proven = self._counted_place(step, run) if run >= 0 else None
+        if not isinstance(proven, tuple) or proven[0] < room or proven[1] != close:
+            return None
+        return close
+
+    def advance_counted(self, cid: int, data: bytes) -> int | None:
+        """Where a token that stays inside the string (its bytes `data`) leads from cid, a counted place matched
+        with room (_match_counted): the place as many copies on as the token has characters, made by shifting,
+        without stepping its bytes through configurations no walk expanded. None for any other configuration,
+        or a token that closes the string or ends inside a character."""
+        run = self._counted_run.get(cid)
+        if run is None:
+            return None
+        lexer = string_lexer()
+        rows, start = lexer.rows, lexer.start
+        state, num_chars = start, 0
+        for byte in data:
+            state = rows[state][byte]
+            if state == start:
+                num_chars += 1
+            elif state == DEAD or state == lexer.close:
+                return None
+        if state != start:
+            return None
+        return self.automaton.shift_by(cid, run, num_chars)
+
+    def _counted_place(self, cid: int, run: int) -> tuple[int, int] | list[int] | None:
+        """(the fewest copies its pairing spares, the configuration after the quote) for a place that moves as
+        the lexer's start with a character leading to itself one copy on, proven on it or on a place with its
+        shift key. [the configuration a character leads to, the one after the quote] when cid pairs with the
+        lexer's start but a character leads elsewhere (the string's first place); None if cid does not pair."""
+        a = self.automaton
+        key = a.shift_key(cid)
+        low = a._shift_low.get(cid, 0)
+        kept = self._counted.get(key)
+        if kept is None:
+            paired = self._pair_counted(cid)
+            if paired is None:
+                return None
+            step, close, configs = paired
+            if step != a.shift_by(cid, run, 1):
+                return [step, close]
+            spare = min(a.spare_in(g, run) for g in configs)
+            if spare < SHIFT_SPARE or a.in_run(close, run):
+                return None
+            kept = self._counted[key] = (low, spare, close)
+        low0, spare0, close = kept
+        return spare0 - (low - low0), close
+
+    def _pair_counted(self, cid: int) -> tuple[int, int, list[int]] | None:
+        """cid paired with the lexer's start as _match pairs them, but for a character's end, which may lead to
+        one other configuration (the next place): (that configuration, the one after the closing quote, the
+        configurations paired), or None."""
+        self.num_counted_proven += 1
+        lexer = string_lexer()
+        a = self.automaton
+        kind, segments, close_state, start = a.kind, lexer.segments, lexer.close, lexer.start
+        paired = {start: cid}
+        work = [(cid, start)]
+        close = step = DEAD
+        while work:
+            g, state = work.pop()
+            if kind[g] != 1:
+                return None
+            row = a.expand(g)
+            for lo, hi, nxt_state in segments[state]:
+                nxt = row[lo]
+                if hi > lo and row[lo:hi + 1].count(nxt) != hi + 1 - lo:
+                    return None
+                if (nxt == DEAD) != (nxt_state == DEAD):
+                    return None
+                if nxt == DEAD:
+                    continue
+                if nxt_state == close_state:
+                    if close not in (DEAD, nxt):
+                        return None
+                    close = nxt
+                elif nxt_state == start:  # a character ends: every one at the next place
+                    if step not in (DEAD, nxt):
+                        return None
+                    step = nxt
+                else:
+                    known = paired.get(nxt_state)
+                    if known is None:
+                        paired[nxt_state] = nxt
+                        work.append((nxt, nxt_state))
+                    elif known != nxt:
+                        return None
+        if close == DEAD or step == DEAD or kind[step] != 1:
+            return None
+        return step, close, list(paired.values())
 
     @staticmethod
     def _moves_like(cid: int, row: list[int], state: int) -> bool:

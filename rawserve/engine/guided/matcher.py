@@ -93,7 +93,12 @@ class GrammarRuntime:
                 nxt = a.allowed_tokens(cid)[token_id]
             else:
                 data = self.vocab.token_bytes[token_id] if 0 <= token_id < len(self.vocab.token_bytes) else b""
-                nxt = a.step_bytes(cid, data) if data and token_id not in self.vocab.special_set else DEAD
+                if not data or token_id in self.vocab.special_set:
+                    nxt = DEAD
+                else:  # inside a counted string, by shifting (lexemes.LexemeWalk.advance_counted)
+                    nxt = self._lexeme.advance_counted(cid, data)
+                    if nxt is None:
+                        nxt = a.step_bytes(cid, data)
             self._token_next[key] = nxt
             self._cache_bytes += 100  # the dict entry
         return nxt
