@@ -7,7 +7,7 @@ the conv, at the model's dtype) and recurrent [num_slots, num_v_heads, head_k_di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,13 +56,16 @@ class DeltaPlan:
     decode_place: torch.Tensor | None  # [num_decodes] each decode's place in the run
     prefill_tokens: torch.Tensor | None  # [num_prefill_tokens] token rows of the longer sequences
     prefill_slots: torch.Tensor | None  # [num_prefills] their slots, longest first
-    chunk_gather: torch.Tensor | None  # [num_chunks * chunk_size] token row per chunk position (num_tokens: pad)
-    chunk_scatter: torch.Tensor | None  # [num_prefill_tokens] chunk position of each of prefill_tokens
+    chunk_gather: torch.Tensor | None  # [num_chunks * chunk_size] token row per chunk position (0: pad)
+    chunk_pads: torch.Tensor | None  # [num_chunks, 1, chunk_size] bool: pad positions (None: none)
+    chunk_scatter: torch.Tensor | None  # [num_tokens] chunk position of each token (0 for a decode row)
     rounds: list[tuple[int, int]]  # per chunk index: (first chunk, number of sequences that have it)
     chunk_size: int
     num_tokens: int
     all_decode: bool = False  # every sequence has one new token
     slot_run: int | None = None  # the slots are first, first + 1, ... in batch order: the pool's rows as a view
+    # (rows per token, heads) -> flat row indices of the chunked layout (chunk_rows): every layer has the same
+    gathers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def decode_span(tokens: list[int], slots: list[int], num_tokens: int
@@ -119,7 +122,7 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
         decode_slots=tensor(decode_slots) if decode_slots else None,
         decode_span=span, decode_span_rows=None if span_rows is None else tensor(span_rows),
         decode_place=None if place is None else tensor(place),
-        prefill_tokens=None, prefill_slots=None, chunk_gather=None, chunk_scatter=None, rounds=[],
+        prefill_tokens=None, prefill_slots=None, chunk_gather=None, chunk_pads=None, chunk_scatter=None, rounds=[],
         chunk_size=chunk_size, num_tokens=num_tokens, all_decode=len(decode_tokens) == num_seqs > 0,
         slot_run=first if state.slots == list(range(first, first + num_seqs)) else None)
     if not prefills:
@@ -131,7 +134,8 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     num_chunks = [-(-n // size) for _, n, _ in prefills]
     gather: list[int] = []
     rounds: list[tuple[int, int]] = []
-    position: dict[int, int] = {}  # token row -> its chunk position
+    pads: list[bool] = []
+    position = [0] * num_tokens  # token row -> its chunk position (decode rows: 0, overwritten)
     for r in range(num_chunks[0]):
         active = sum(1 for c in num_chunks if c > r)
         rounds.append((len(gather) // size, active))
@@ -139,12 +143,16 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
             for t in range(start + r * size, start + min(n, (r + 1) * size)):
                 position[t] = len(gather)
                 gather.append(t)
-            gather.extend([num_tokens] * (size - min(size, n - r * size)))
+            pad = size - min(size, n - r * size)
+            gather.extend([0] * pad)  # any real row: only g and beta must be zero there (gated_delta_rule)
+            pads.extend([False] * (size - pad) + [True] * pad)
     prefill_tokens = [t for start, n, _ in prefills for t in range(start, start + n)]
     plan.prefill_tokens = tensor(prefill_tokens)
     plan.prefill_slots = tensor([slot for _, _, slot in prefills])
     plan.chunk_gather = tensor(gather)
-    plan.chunk_scatter = tensor([position[t] for t in prefill_tokens])
+    if any(pads):
+        plan.chunk_pads = torch.tensor(pads, device=device).view(-1, 1, size)
+    plan.chunk_scatter = tensor(position)
     plan.rounds = rounds
     plan.chunk_size = size
     return plan
@@ -207,19 +215,38 @@ def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     flat = state.view(batch * heads, dk, dv)
     read = torch.bmm(torch.stack((q, k), 2).view(batch * heads, 2, dk), flat).view(batch, heads, 2, dv)
     decay = g.exp().unsqueeze(-1)  # [B, H, 1]
-    delta = (v - decay * read[:, :, 1]) * beta.unsqueeze(-1)
-    out = torch.addcmul(decay * read[:, :, 0], (q * k).sum(-1, keepdim=True), delta)
+    delta = torch.addcmul(v, decay, read[:, :, 1], value=-1).mul_(beta.unsqueeze(-1))
+    out = torch.addcmul(decay * read[:, :, 0], torch.linalg.vecdot(q, k).unsqueeze(-1), delta)
     state.mul_(decay.unsqueeze(-1))
-    flat.baddbmm_(k.reshape(batch * heads, dk, 1), delta.view(batch * heads, 1, dv))
+    # the rank-1 write as a broadcast multiply-add: a batched product with an inner size of 1 cost 10-20% more
+    flat.addcmul_(k.reshape(batch * heads, dk, 1), delta.view(batch * heads, 1, dv))
     return out
 
 
+# At or above this size unit_lower_inverse splits the matrix in halves: fewer sequential row steps.
+BLOCKED_INVERSE_SIZE = 32
+
+
 def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 for L the strictly lower triangle of `lower` [..., C, C], by forward substitution one row at a
-    time over the whole batch of chunks and heads: row i of the inverse's strict part is
-    -L[i, :i] - L[i, :i] @ X[:i, :i]. torch.linalg.solve_triangular over a batch of 64 x 64 systems took 430 ms
-    a layer at 512 tokens (0.8B, 2 threads): LAPACK's per-matrix calls; this is C small batched products."""
+    """(I + L)^-1 for L the strictly lower triangle of `lower` [..., C, C].
+
+    Small sizes by forward substitution one row at a time over the whole batch of chunks and heads: row i of the
+    inverse's strict part is -L[i, :i] - L[i, :i] @ X[:i, :i]. torch.linalg.solve_triangular over a batch of
+    64 x 64 systems took 430 ms a layer at 512 tokens (0.8B, 2 threads): LAPACK's per-matrix calls; this is C
+    small batched products. From BLOCKED_INVERSE_SIZE on, by halves: with A, B the diagonal blocks and C the one
+    below them, the inverse is [[A^-1, 0], [-B^-1 C A^-1, B^-1]], A and B inverted as one batch (recursively),
+    so a 64 x 64 system takes 15 row steps of its 16 x 16 blocks and four pairs of products, not 63 row steps
+    (the row steps, each a small product over the whole batch, were most of its cost)."""
     size = lower.shape[-1]
+    if size >= BLOCKED_INVERSE_SIZE and size % 2 == 0:
+        half = size // 2
+        diagonal = unit_lower_inverse(torch.stack((lower[..., :half, :half], lower[..., half:, half:]), -3))
+        upper_inv, lower_inv = diagonal.unbind(-3)  # [..., half, half] each
+        inverse = torch.zeros_like(lower)
+        inverse[..., :half, :half] = upper_inv
+        inverse[..., half:, half:] = lower_inv
+        torch.matmul(-(lower_inv @ lower[..., half:, :half]), upper_inv, out=inverse[..., half:, :half])
+        return inverse
     inverse = -lower.tril(-1)
     for i in range(1, size):
         row = inverse[..., i:i + 1, :i]  # [..., 1, i], still -L[i, :i]
@@ -233,24 +260,28 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     triangular system, then one state update per chunk), in place on `states` [P, H, dk, dv] float32.
 
     q, k: [N, H, C, dk] (normalised, q scaled); v: [N, H, C, dv]; g, beta: [N, H, C]; N chunks in the order of
-    DeltaPlan.rounds. Pad positions carry g = beta = 0 and zero q/k/v, so they change no state.
+    DeltaPlan.rounds. Pad positions carry g = beta = 0 (q, k, v there may hold any finite values): their row of
+    the system is zero, so their written value is zero and they change no state, and causality keeps them out of
+    the real positions' outputs.
     Within a chunk, with G the running sum of g and S0 the state before it, the written values U solve
         (I + L) U = beta V - beta exp(G) K S0,   L[i, j] = beta_i exp(G_i - G_j) k_i.k_j  for j < i,
     the outputs are  exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j,
     and the state after it is  exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T.  -> [N, H, C, dv].
     """
-    size, dk, dv = q.shape[2], k.shape[-1], v.shape[-1]
+    num_chunks, heads, size, dk = k.shape
+    dv = v.shape[-1]
     cum = g.cumsum(-1)  # [N, H, C]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [N, H, C, C]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill_(~causal, float("-inf")).exp_()  # [N, H, C, C]
     system = (k @ k.transpose(-1, -2)) * decay * beta.unsqueeze(-1)  # L below the diagonal (rest unread)
-    rhs = torch.cat((v * beta.unsqueeze(-1), k * (beta * cum.exp()).unsqueeze(-1)), -1)
-    solved = unit_lower_inverse(system) @ rhs
-    # U = written - k_decayed @ S0; contiguous, so the scan's products read them without a copy each round
-    written, k_decayed = solved.split((dv, dk), -1)
-    written = written.contiguous()
-    # both reads of the chunk's starting state (k_decayed S0 for U, q_decayed S0 for the output): one product
-    reads = torch.cat((k_decayed, q * cum.exp().unsqueeze(-1)), 2)  # [N, H, 2C, dk]
+    inverse = unit_lower_inverse(system)
+    # U = written - k_decayed @ S0. Each solved on its own (the inverse is small) and both reads of the chunk's
+    # starting state (k_decayed S0 for U, q_decayed S0 for the output) in one buffer, so the scan's single
+    # product per round reads them without a concatenated copy, and `written` is contiguous as it comes.
+    written = inverse @ (v * beta.unsqueeze(-1))  # [N, H, C, dv]
+    reads = torch.empty((num_chunks, heads, 2 * size, dk), dtype=q.dtype, device=q.device)
+    torch.matmul(inverse, k * (beta * cum.exp()).unsqueeze(-1), out=reads[:, :, :size])
+    torch.mul(q, cum.exp().unsqueeze(-1), out=reads[:, :, size:])
     attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C]
     k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [N, H, dk, C]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
@@ -267,6 +298,50 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return out
 
 
+def head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [T, H, d] -> (its storage as rows of d [R, d], the rows between tokens): head h of token t is row
+    t * per + h. Heads must be adjacent and each contiguous (a slice of a wider row is: v and q/k come as column
+    slices of the conv output), else x is copied first."""
+    num_tokens, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % d or x.stride(0) < heads * d:
+        x = x.contiguous()
+    per = x.stride(0) // d
+    return x.as_strided(((num_tokens - 1) * per + heads, d), (d, 1)), per
+
+
+def chunk_rows(plan: DeltaPlan, per: int, heads: int) -> torch.Tensor:
+    """[num_chunks * heads * chunk_size] rows of head_rows' view laid out as [N, H, C] (cached on the plan:
+    every layer has the same layout)."""
+    key = (per, heads)
+    rows = plan.gathers.get(key)
+    if rows is None:
+        tokens = plan.chunk_gather.view(-1, 1, plan.chunk_size)
+        rows = (tokens * per + torch.arange(heads, device=tokens.device).view(1, heads, 1)).view(-1)
+        plan.gathers[key] = rows
+    return rows
+
+
+def to_chunks(x: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
+    """[T, H, d] -> [N, H, C, d] contiguous in one gather (no padded copy of x, no transposing copy after)."""
+    flat, per = head_rows(x)
+    heads, d = x.shape[1], x.shape[2]
+    return flat.index_select(0, chunk_rows(plan, per, heads)).view(-1, heads, plan.chunk_size, d)
+
+
+def from_chunks(o: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
+    """chunked_rule's [N, H, C, dv] -> [T, H, dv] in token order, in one gather (a decode row gets chunk row 0:
+    the caller writes it)."""
+    heads, size, dv = o.shape[1], o.shape[2], o.shape[3]
+    key = (-1, heads)
+    rows = plan.gathers.get(key)
+    if rows is None:
+        position = plan.chunk_scatter.unsqueeze(1)  # [T, 1]
+        head = torch.arange(heads, device=position.device).unsqueeze(0)
+        rows = ((position // size * heads + head) * size + position % size).view(-1)  # [T * H]
+        plan.gathers[key] = rows
+    return o.view(-1, dv).index_select(0, rows).view(-1, heads, dv)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      recurrent: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
     """Every sequence's delta rule over its new tokens, from and back into its recurrent state.
@@ -277,7 +352,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if plan.all_decode and plan.slot_run is not None:  # the usual decode step: every row in place, in order
         first = plan.slot_run
         return recurrent_step(recurrent[first:first + plan.num_tokens], q, k, v, g, beta)
-    out = torch.empty_like(v)
+    if plan.prefill_tokens is not None:
+        gc, bc = (to_chunks(x.unsqueeze(-1), plan).squeeze(-1) for x in (g, beta))  # [N, H, C]
+        if plan.chunk_pads is not None:
+            gc.masked_fill_(plan.chunk_pads, 0)
+            bc.masked_fill_(plan.chunk_pads, 0)
+        states = recurrent.index_select(0, plan.prefill_slots)
+        o = chunked_rule(states, to_chunks(q, plan), to_chunks(k, plan), to_chunks(v, plan), gc, bc, plan.rounds)
+        recurrent.index_copy_(0, plan.prefill_slots, states)
+        out = from_chunks(o, plan)  # [T, H, dv]; decode rows written below
+    else:
+        out = v.new_empty(v.shape)
     if plan.decode_span is not None:  # in place on the run of slots, rows laid out in slot order
         first, count = plan.decode_span
 
@@ -291,16 +376,4 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         state = recurrent.index_select(0, slots)
         out[rows] = recurrent_step(state, q[rows], k[rows], v[rows], g[rows], beta[rows])
         recurrent.index_copy_(0, slots, state)
-    if plan.prefill_tokens is not None:
-        size = plan.chunk_size
-
-        def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [N, H, C, ...], pad rows zero
-            padded = torch.cat((x, x.new_zeros((1, *x.shape[1:])))).index_select(0, plan.chunk_gather)
-            return padded.view(-1, size, *x.shape[1:]).transpose(1, 2).contiguous()
-
-        states = recurrent.index_select(0, plan.prefill_slots)
-        o = chunked_rule(states, chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta), plan.rounds)
-        o = o.transpose(1, 2).reshape(-1, *v.shape[1:])  # [N * C, H, dv] in chunk-position order
-        out[plan.prefill_tokens] = o.index_select(0, plan.chunk_scatter)
-        recurrent.index_copy_(0, plan.prefill_slots, states)
     return out

@@ -127,7 +127,7 @@ class GatedDeltaNetLayer(Qwen35Layer):
             recurrent.index_fill_(0, plan.fresh_slots, 0)
         num_tokens = x.shape[0]
         proj = self.linear(self.norm(x, "input_layernorm"), "in_proj", lora=lora)  # [T, conv + value + 2 Hv]
-        mixed, z, b, a = proj.split((self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), dim=1)
+        mixed, z = proj[:, :self.conv_dim], proj[:, self.conv_dim:self.conv_dim + self.value_dim]
         mixed = causal_conv(mixed, self.conv_taps, conv_state, plan)  # [T, conv_dim] float32
         key_dim = self.num_k_heads * self.head_k_dim
         qk, v = mixed.split((2 * key_dim, self.value_dim), dim=1)
@@ -138,8 +138,9 @@ class GatedDeltaNetLayer(Qwen35Layer):
         if group > 1:  # each key head serves `group` consecutive value heads
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = b.float().sigmoid()  # [T, Hv]
-        g = self.neg_decay_rate * F.softplus(a.float() + self.dt_bias_f32)  # [T, Hv] log decay, <= 0
+        ba = proj[:, -2 * self.num_v_heads:].float()  # b and a side by side: one cast
+        beta = ba[:, :self.num_v_heads].sigmoid()  # [T, Hv]
+        g = self.neg_decay_rate * F.softplus(ba[:, self.num_v_heads:] + self.dt_bias_f32)  # [T, Hv] log decay, <= 0
         o = gated_delta_rule(q, k, v, g, beta, recurrent, plan)  # [T, Hv, dv] float32
         # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head
         o = F.rms_norm(o, o.shape[-1:], self.gated_norm_f32, self.cfg.rms_norm_eps)
