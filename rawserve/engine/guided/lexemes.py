@@ -69,6 +69,20 @@ def alive_bytes(row: list[int]) -> bytes:
     return bytes(map(bool, row))
 
 
+def _row_moves(row: list[int], segments: list[tuple[int, int, int]]) -> list[tuple[int, int]] | None:
+    """(next configuration, next lexer state) for each run of a lexer state's row (`segments`) that stays alive,
+    read off a configuration's `row`; None where the row does not move as the lexer's does (a run whose bytes lead
+    apart, or one alive on one side and dead on the other)."""
+    moves = []
+    for lo, hi, nxt_state in segments:
+        nxt = row[lo]
+        if (hi > lo and row[lo:hi + 1].count(nxt) != hi + 1 - lo) or (nxt == DEAD) != (nxt_state == DEAD):
+            return None
+        if nxt != DEAD:
+            moves.append((nxt, nxt_state))
+    return moves
+
+
 _LEXER: StringLexer | None = None
 
 
@@ -427,15 +441,10 @@ class LexemeWalk:
             g, state = work.pop()
             if kind[g] != 1:
                 return None
-            row = a.expand(g)
-            for lo, hi, nxt_state in segments[state]:
-                nxt = row[lo]
-                if hi > lo and row[lo:hi + 1].count(nxt) != hi + 1 - lo:
-                    return None
-                if (nxt == DEAD) != (nxt_state == DEAD):
-                    return None
-                if nxt == DEAD:
-                    continue
+            moves = _row_moves(a.expand(g), segments[state])
+            if moves is None:
+                return None
+            for nxt, nxt_state in moves:
                 if nxt_state == close_state:
                     if close not in (DEAD, nxt):
                         return None
@@ -488,15 +497,10 @@ class LexemeWalk:
             # refuse it anyway; a push inside would be sound too below the depth cap: both are kept out cheaply.
             if is_cut and any(s == mark or sid != mark_stack for s, sid in configs[g]):
                 return None
-            row = a.expand(g)
-            for lo, hi, nxt_state in segments[state]:
-                nxt = row[lo]
-                if hi > lo and row[lo:hi + 1].count(nxt) != hi + 1 - lo:
-                    return None
-                if (nxt == DEAD) != (nxt_state == DEAD):
-                    return None
-                if nxt == DEAD:
-                    continue
+            moves = _row_moves(a.expand(g), segments[state])
+            if moves is None:
+                return None
+            for nxt, nxt_state in moves:
                 if nxt_state == close_state:  # only the start closes, and it pairs with one configuration
                     close = nxt
                     continue
