@@ -4,7 +4,7 @@ Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32
 python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
                        [--cold-decode] [--cold-decode-tokens 48] [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
-                       [--lexeme-ab-part all|counted]
+                       [--lexeme-ab-part all|counted|tail]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
 runs, then the issue's targets); logs go to stderr. xgrammar and llguidance are bench-only extras.
 
@@ -256,7 +256,12 @@ class Ours:
             assert cache.hits == reps and cache.misses == 1
             return times
 
-        return asyncio.run(run())
+        try:
+            return asyncio.run(run())
+        finally:
+            # its compile worker processes, the second still starting (importing) after the miss's answer: left
+            # running, they took the CPU from the warm-up pass that follows (nested20's 3x its CPU time in wall)
+            cache.close()
 
     def feed(self, runtime, tokens: list[int], check: bool) -> dict[str, list[int]]:
         """One request fed `tokens`: per position the mask + apply time (wall and this thread's CPU), and
@@ -265,15 +270,17 @@ class Ours:
 
         state = GuidedState(runtime)
         row = self.row
-        mask_ns, mask_cpu_ns, advance_ns = [], [], []
+        mask_ns, mask_cpu_ns, build_cpu_ns, advance_ns = [], [], [], []
         clock, cpu = time.perf_counter_ns, time.thread_time_ns
         for i in range(len(tokens) + 1):
             row.normal_()  # outside the clock: a fresh row each time, as a step's logits are
             began_cpu, began = cpu(), clock()
             mask = state.mask()
+            built_cpu = cpu()
             mask.apply(row, EOS_IDS)
             mask_ns.append(clock() - began)
             mask_cpu_ns.append(cpu() - began_cpu)
+            build_cpu_ns.append(built_cpu - began_cpu)
             if i == len(tokens):
                 break
             if check and not bool(mask.allowed(VOCAB_SIZE)[tokens[i]]):
@@ -283,7 +290,7 @@ class Ours:
             advance_ns.append(clock() - began)
         if check and not (mask.accepting and row[EOS_IDS[1]] > float("-inf")):
             raise AssertionError("rawserve does not accept the whole output")
-        return {"mask": mask_ns, "mask_cpu": mask_cpu_ns, "advance": advance_ns}
+        return {"mask": mask_ns, "mask_cpu": mask_cpu_ns, "build_cpu": build_cpu_ns, "advance": advance_ns}
 
 
 # ----- xgrammar
@@ -451,6 +458,12 @@ def bench_case(impls: list, case: str, schema, tokens: list[int], args, base: di
                    warmup_mask_cpu_max_ms=round(max(warm["mask_cpu"]) / 1e6, 2),
                    warmup_mask_cpu_total_ms=round(sum(warm["mask_cpu"]) / 1e6, 2),
                    warmup_advance_total_ms=round(sum(warm["advance"]) / 1e6, 2))
+        if "build_cpu" in warm:  # ours: the masks' build alone, without apply() (theirs time the fill alone)
+            build = warm["build_cpu"]
+            row.update(warmup_build_cpu_total_ms=round(sum(build) / 1e6, 2),
+                       warmup_build_cpu_max_ms=round(max(build) / 1e6, 2),
+                       # where the largest cold masks are: output positions (the mask before that token)
+                       warmup_build_cpu_top_at=sorted(range(len(build)), key=build.__getitem__)[-3:][::-1])
         rows[impl.name] = row
         measured[impl.name] = []
     for _ in range(passes):
@@ -786,11 +799,12 @@ def bench_lexeme_ab(args, ours: Ours, tokenizer, base: dict) -> list[dict]:
     on (engine/guided/lexemes.py; off: LexemeWalk's walks patched to refuse, as before they existed; with
     --lexeme-ab-part counted, only its match of counted strings' places), in one process and in turn, so the box's
     load hits both alike. Timed: this thread's CPU in mask() per pass, and apart in advance()."""
-    from rawserve.engine.guided import lexemes
+    from rawserve.engine.guided import counted_tail, lexemes
     from rawserve.engine.guided.matcher import GuidedState
 
     walk, walk_below = lexemes.LexemeWalk.walk, lexemes.LexemeWalk.walk_below
     counted = lexemes.LexemeWalk._match_counted
+    tail, tail_below = counted_tail.CountedTail.mask_sets, counted_tail.CountedTail.walk_below
     rows = []
     for case in args.cases.split(","):
         schema, instance = {**CASES, **EXTRA_CASES}[case]
@@ -801,9 +815,14 @@ def bench_lexeme_ab(args, ours: Ours, tokenizer, base: dict) -> list[dict]:
                 for mode in ("off", "on"):
                     if args.lexeme_ab_part == "counted":  # only the counted strings' places (maxLength) off
                         lexemes.LexemeWalk._match_counted = counted if mode == "on" else (lambda self, cid: None)
+                    elif args.lexeme_ab_part == "tail":  # only their last places' tokens by count off
+                        counted_tail.CountedTail.mask_sets = tail if mode == "on" else (lambda self, cid: None)
+                        counted_tail.CountedTail.walk_below = tail_below if mode == "on" else (lambda self, *a: False)
                     else:
                         lexemes.LexemeWalk.walk = walk if mode == "on" else (lambda self, cid: None)
                         lexemes.LexemeWalk.walk_below = walk_below if mode == "on" else (lambda self, *a: False)
+                        counted_tail.CountedTail.mask_sets = tail if mode == "on" else (lambda self, cid: None)
+                        counted_tail.CountedTail.walk_below = tail_below if mode == "on" else (lambda self, *a: False)
                     runtime, _, _ = ours.compile(schema, f"ab-{case}-{mode}-{rep}-{time.monotonic_ns()}")
                     state = GuidedState(runtime)
                     total = largest = advancing = 0.0
@@ -820,6 +839,7 @@ def bench_lexeme_ab(args, ours: Ours, tokenizer, base: dict) -> list[dict]:
         finally:
             lexemes.LexemeWalk.walk, lexemes.LexemeWalk.walk_below = walk, walk_below
             lexemes.LexemeWalk._match_counted = counted
+            counted_tail.CountedTail.mask_sets, counted_tail.CountedTail.walk_below = tail, tail_below
         row = {**base, "bench": "guided_lexeme_ab", "schema": case, "rounds": args.lexeme_ab,
                "part": args.lexeme_ab_part}
         for mode, runs in passes.items():
@@ -870,9 +890,9 @@ def main() -> None:
     parser.add_argument("--lexeme-ab", type=int, default=0, metavar="ROUNDS",
                         help="Only the first-pass CPU of ours with the string lexeme's shared sets off and on, in "
                              "turn, ROUNDS times per case (--cases).")
-    parser.add_argument("--lexeme-ab-part", default="all", choices=("all", "counted"),
-                        help="What --lexeme-ab turns off: every use of the lexeme's sets, or only the places of "
-                             "counted (maxLength) strings.")
+    parser.add_argument("--lexeme-ab-part", default="all", choices=("all", "counted", "tail"),
+                        help="What --lexeme-ab turns off: every use of the lexeme's sets, only the places of "
+                             "counted (maxLength) strings, or only their last places' tokens by count (counted_tail).")
     parser.add_argument("--shape", default="0.6b", choices=("0.6b", "tiny"),
                         help="The decode model's shape (the Qwen3 tokenizer either way): tiny keeps the forward "
                              "small, so the decode runs show the host's share.")

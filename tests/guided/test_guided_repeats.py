@@ -14,6 +14,7 @@ from rawserve.engine.guided.grammar import Grammar, Repeat, alt, lit, seq
 from rawserve.engine.guided.json_schema import schema_to_grammar
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar, gc_paused
+from rawserve.engine.guided.nfa_rows import has_edges
 from rawserve.engine.guided.vocab import VocabIndex
 from tests.guided.test_matcher import STRING_CHAR, brute_mask, plain_vocab
 
@@ -32,6 +33,33 @@ def test_repeat_runs_are_recorded_for_counted_strings_and_not_for_empty_items():
     empty_item = Grammar({"root": Repeat(alt(lit("a"), lit("")), 0, 10)})
     assert compile_grammar(empty_item, "e").repeats == []  # a copy could be skipped without a byte
     assert pickle.loads(pickle.dumps(compiled)).repeats == compiled.repeats
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 2, "maxLength": 30},
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 9}, "b": {"type": "integer"},
+                                      "c": {"type": "array", "maxItems": 3, "items": {"type": "string",
+                                                                                      "maxLength": 40}}},
+     "required": ["a", "c"], "additionalProperties": False},
+])
+def test_a_long_runs_virtual_copies_read_as_the_built_ones(monkeypatch, schema):
+    """A run's middle copies are left virtual (nfa_rows): every state's edges read as a fully built NFA's, in
+    the compiling process and after the pickle to the core, and the run's bookkeeping is the same."""
+    from rawserve.engine.guided import nfa
+
+    grammar = schema_to_grammar(schema)
+    virtual = compile_grammar(grammar, "v")
+    monkeypatch.setattr(nfa, "VIRTUAL_MIN_COPIES", 1 << 30)
+    built = compile_grammar(grammar, "b")
+    assert virtual.virtual and not built.virtual
+    assert virtual.num_states == built.num_states and virtual.repeats == built.repeats
+    # what a virtual copy spares: nothing of it is pickled
+    assert len(pickle.dumps(virtual)) < 0.6 * len(pickle.dumps(built))
+    for compiled in (virtual, pickle.loads(pickle.dumps(virtual))):
+        for name in ("eps", "byte_edges", "token_edges", "call_edges"):
+            rows, expected = getattr(compiled, name), getattr(built, name)
+            assert [rows[s] for s in range(built.num_states)] == expected, name
+        assert has_edges(compiled.byte_edges, compiled.token_edges) == has_edges(built.byte_edges, built.token_edges)
 
 
 def _run_vocab() -> tuple[list[bytes], set[int]]:

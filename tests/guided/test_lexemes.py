@@ -149,26 +149,45 @@ def test_inside_a_character_or_an_escape_the_lexeme_sets_serve_too(vocab):
     assert len(states) == 6 and string_lexer().start not in states
 
 
-@pytest.mark.parametrize("body", ["no_unicode_escapes", "counted"])
-def test_other_string_bodies_are_not_taken_for_the_lexeme(vocab, body):
-    """A string body the lexer does not spell (no \\u escapes; a maxLength) keeps its own walk, and masks stay
-    exact."""
-    if body == "counted":
-        grammar = Grammar({"root": seq(lit('{"a": "'), Repeat(CHAR, 0, 6), lit('"}'))})
-        text = '{"a": "ab\\u00e9"}'
-    else:
-        grammar = Grammar({"root": seq(lit('{"a": '), JSON_STRING, lit("}"))})
-        text = '{"a": "a\\"b"}'
-    runtime = GrammarRuntime(compile_grammar(grammar, body), vocab)
-    check_every_place(runtime, vocab, text)
+def test_other_string_bodies_are_not_taken_for_the_lexeme(vocab):
+    """A string body the lexer does not spell (no \\u escapes) keeps its own walk, and masks stay exact."""
+    grammar = Grammar({"root": seq(lit('{"a": '), JSON_STRING, lit("}"))})
+    runtime = GrammarRuntime(compile_grammar(grammar, "no_unicode_escapes"), vocab)
+    check_every_place(runtime, vocab, '{"a": "a\\"b"}')
     assert runtime.num_walks["lexeme"] == 0 and runtime._lexeme.num_below == 0
+
+
+def test_a_short_counted_string_takes_the_lexeme_tokens_by_count(vocab):
+    """A maxLength shorter than the longest token: no place has room for every token, and each takes the
+    lexeme's tokens of at most the characters it has left (counted_tail), its first place and its last, where
+    only the quote is left, included. Masks stay exact at every place, and no walk below an opening quote takes
+    the uncounted anchored sets."""
+    grammar = Grammar({"root": seq(lit('{"a": "'), Repeat(CHAR, 0, 6), lit('"}'))})
+    runtime = GrammarRuntime(compile_grammar(grammar, "counted"), vocab)
+    check_every_place(runtime, vocab, '{"a": "ab\\u00e9中!"}')
+    tail = runtime._tail
+    # too short a run for a shift to prove its places: each is paired once, for the whole chain at the first
+    assert tail.num_walks >= 6 and tail.num_proven <= 7, (tail.num_walks, tail.num_proven)
+    assert runtime._lexeme.num_counted == 0 and runtime._lexeme.num_below == 0
+    assert tail.num_below >= 1  # below `"` and ` "` in the narrow walk before the string: by count too
+    assert sorted({left for left, _ in filter(None, tail._left.values())}) == list(range(7))
+
+
+@pytest.mark.parametrize("max_length", [1, 2, 3])
+def test_tokens_that_open_a_short_counted_string_are_taken_by_count(vocab, max_length):
+    """Below an opening quote inside a token (` "ab`, ` "a\\n`: two characters after it) a narrow walk takes the
+    tokens by the characters they begin after the quote: allowed up to the bound, not past it."""
+    grammar = Grammar({"root": seq(lit('{"a": "'), Repeat(CHAR, 0, max_length), lit('"}'))})
+    runtime = GrammarRuntime(compile_grammar(grammar, f"open{max_length}"), vocab)
+    check_every_place(runtime, vocab, '{"a": "' + "ab"[:max_length] + '"}')
+    assert runtime._tail.num_below >= 1
 
 
 @pytest.mark.parametrize("shape", ["top_level", "in_array", "min_length"])
 def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_places(vocab, shape):
     """A maxLength string's places with room for the vocabulary's longest token (and SHIFT_SPARE copies more)
     take the lexeme's sets, proven on one place a copy apart from the rest; its first place (before the run)
-    too; the places nearer the end keep the plain walk. Masks stay exact at every place, the string filled to
+    too; the places nearer the end take its tokens of at most the characters left (counted_tail). Masks stay exact at every place, the string filled to
     its bound, characters of one to four bytes and escapes alike."""
     room = SHIFT_SPARE + max(map(len, vocab.token_bytes))
     n = room + 20
@@ -191,8 +210,11 @@ def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_plac
     check_every_place(runtime, vocab, text)
     lexeme = runtime._lexeme
     # the places before the last `room` or so: one pairing proves the run's, a few more its first places
-    assert lexeme.num_counted >= 12 and lexeme.num_counted_proven <= 4, (lexeme.num_counted, lexeme.num_counted_proven)
-    assert runtime.num_walks["plain"] >= room - 10  # the run's last places: the plain walk
+    tail = runtime._tail
+    assert lexeme.num_counted >= 12 and lexeme.num_counted_proven <= 4 + tail.num_proven, (
+        lexeme.num_counted, lexeme.num_counted_proven, tail.num_proven)
+    # the run's last places take the lexeme's tokens by count, proven by shifting but for the last two (per string)
+    assert tail.num_walks >= room - 10 and tail.num_proven <= 6, (tail.num_walks, tail.num_proven)
     # a token inside the string advances from such a place by shifting, to where its bytes step
     a = runtime.automaton
     num_shifted = 0

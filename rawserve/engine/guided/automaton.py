@@ -7,7 +7,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 
-from rawserve.engine.guided.nfa import CompiledGrammar, has_edges
+from rawserve.engine.guided.nfa import CompiledGrammar
+from rawserve.engine.guided.nfa_rows import has_edges
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
 DEAD = 0  # configuration id of the empty set: no thread survives

@@ -311,7 +311,8 @@ class LexemeWalk:
         lexer = string_lexer()
         row = a.expand(cid)
         result = None
-        for state in lexer.by_alive.get(alive_bytes(row), ()):
+        alike = lexer.by_alive.get(alive_bytes(row), ())
+        for state in alike:
             if not self._moves_like(cid, row, state):
                 continue
             stacks = {sid for _, sid in a.configs[cid]}
@@ -333,7 +334,7 @@ class LexemeWalk:
                         result = (state, closes[quote[0]])
             if result is not None:
                 break
-        if result is None and lexer.start in lexer.by_alive.get(alive_bytes(row), ()):
+        if result is None and lexer.start in alike:
             close = self._match_counted(cid)
             if close is not None:
                 result = (lexer.start, close)
@@ -521,11 +522,19 @@ class LexemeWalk:
         if matched is None:
             return None
         lexeme = string_lexeme(self.vocab, matched[0])
-        kept = self._closes.get(matched)
+        certain, uncertain = self.close_walk(*matched)
+        return lexeme, id_tensor(certain), uncertain
+
+    def close_walk(self, state: int, close: int) -> tuple[list[int], list[int]]:
+        """(certain, uncertain): the tokens of lexer state `state`'s close trie whose rest after the closing quote
+        `close`, the configuration there, takes (kept per the two)."""
+        key = (state, close)
+        kept = self._closes.get(key)
         if kept is None:
-            kept = self._closes[matched] = self._walk_close(matched[1], lexeme.close_children, lexeme.close_tokens)
+            lexeme = string_lexeme(self.vocab, state)
+            kept = self._closes[key] = self._walk_close(close, lexeme.close_children, lexeme.close_tokens)
             self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
-        return lexeme, id_tensor(kept[0]), kept[1]
+        return kept
 
     def walk_below(self, node: int, cid: int, certain: list[int], uncertain: list[int]) -> bool:
         """Add the tokens below trie node `node` that configuration cid (reached at node) allows, when cid matches

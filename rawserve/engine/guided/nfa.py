@@ -16,12 +16,16 @@ from typing import Iterator
 from rawserve.engine.guided.gbnf import nullable
 from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, GrammarError, Node, Ref, Repeat, Seq,
                                             Token, iter_refs)
+from rawserve.engine.guided.nfa_rows import ListRows, PackedRows, Virtual
 
 MAX_NFA_STATES = 250_000
 # A rule used in more than one place is copied into each only when it is this small; bigger ones are called
 # (one copy, a stack frame at run time). Copying chains of shared rules is how the NFA of a schema with
 # optional properties went quadratic: 100 optional properties made 120,854 states.
 INLINE_MAX_NODES = 64
+# A repeat run of at least this many optional copies has its middle ones left virtual (nfa_rows): built, a
+# maxLength 200 string was 8,200 NFA states, most of nested20's compile, pickle and first collection after.
+VIRTUAL_MIN_COPIES = 8
 
 
 class _EveryRule:
@@ -73,6 +77,9 @@ class CompiledGrammar:
     string's characters), made alike: copy i's states are copy 0's plus i * stride, from `first` on, and the
     state at first + i * stride is where copy i ends. A thread there behaves as the one a copy later does
     until it nears the run's end, which is what lets the core share a mask's walks along the run.
+
+    virtual: spans of a long run's middle copies that have no rows of their own (nfa_rows.Virtual): the edge
+    lists are then nfa_rows.ListRows, or PackedRows once pickled, which make such a row from the copy it repeats.
     """
     key: str
     eps: list[list[int]]
@@ -84,6 +91,7 @@ class CompiledGrammar:
     rule_final: list[int]
     start_rule: int
     repeats: list[tuple[int, int, int]] = field(default_factory=list)
+    virtual: list[Virtual] = field(default_factory=list)
     _packed: dict | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -96,16 +104,19 @@ class CompiledGrammar:
         if self._packed is not None:  # unpickled here: send on what came in, without walking the edges again
             return self._packed
         state = {"key": self.key, "rule_start": self.rule_start, "rule_final": self.rule_final,
-                 "start_rule": self.start_rule, "is_final": bytes(self.is_final), "repeats": self.repeats}
+                 "start_rule": self.start_rule, "is_final": bytes(self.is_final), "repeats": self.repeats,
+                 "virtual": self.virtual}
         for name, width in _EDGE_LISTS:
             offsets = array("i", [0])
             flat = array("i")
-            for edges in getattr(self, name):
-                for edge in edges:
+            rows = getattr(self, name)
+            for edges in (rows.rows if isinstance(rows, ListRows) else rows):
+                if edges:  # None: a virtual state, nothing written
                     if width == 1:
-                        flat.append(edge)
+                        flat.extend(edges)
                     else:
-                        flat.extend(edge)
+                        for edge in edges:
+                            flat.extend(edge)
                 offsets.append(len(flat))
             state[name] = (offsets, flat)
         self._packed = state
@@ -116,48 +127,14 @@ class CompiledGrammar:
         self.key, self.rule_start, self.rule_final = state["key"], state["rule_start"], state["rule_final"]
         self.start_rule = state["start_rule"]
         self.repeats = state.get("repeats", [])
+        self.virtual = state.get("virtual", [])
         self.is_final = list(map(bool, state["is_final"]))
         for name, width in _EDGE_LISTS:
             offsets, flat = state[name]
-            setattr(self, name, _Rows(offsets.tolist(), flat.tolist(), width))
+            setattr(self, name, PackedRows(offsets.tolist(), flat.tolist(), width, self.virtual))
 
 
 _EDGE_LISTS = (("eps", 1), ("byte_edges", 3), ("token_edges", 2), ("call_edges", 2))
-
-
-def has_edges(a: list | _Rows, b: list | _Rows) -> list[bool]:
-    """Per state: any edge in a or b (from the offsets alone when the lists are flat)."""
-    if isinstance(a, _Rows) and isinstance(b, _Rows):
-        ao, bo = a.offsets, b.offsets
-        return [x != y or u != w for x, y, u, w in zip(ao, ao[1:], bo, bo[1:])]
-    return [bool(a[s] or b[s]) for s in range(len(a))]
-
-
-class _Rows:
-    """Per-state edge lists read from flat ints: rows[s] is state s's list (of ints, or of width-tuples)."""
-
-    __slots__ = ("offsets", "flat", "width", "_tuples")
-
-    def __init__(self, offsets: list[int], flat: list[int], width: int) -> None:
-        self.offsets, self.flat, self.width = offsets, flat, width
-        # rows of tuples made once per state read: a configuration's expansion and closures read the same
-        # few states hundreds of times, and regrouping the flat ints at every read topped a cold mask's profile
-        self._tuples: dict[int, list] = {}
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, s: int) -> list:
-        if self.width == 1:
-            return self.flat[self.offsets[s]:self.offsets[s + 1]]
-        row = self._tuples.get(s)
-        if row is None:
-            a, b = self.offsets[s], self.offsets[s + 1]
-            row = self._tuples[s] = list(zip(*[iter(self.flat[a:b])] * self.width))
-        return row
-
-    def __iter__(self):
-        return (self[s] for s in range(len(self)))
 
 
 def _cyclic_rules(grammar: Grammar) -> set[str]:
@@ -224,6 +201,7 @@ class _Builder:
         self.rule_final: list[int] = []
         self.pending: list[str] = []
         self.repeats: list[tuple[int, int, int]] = []
+        self.virtual: list[Virtual] = []
 
     def new(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
@@ -374,16 +352,45 @@ class _Builder:
             return
         first = len(self.eps)
         strides = set()
-        for _ in range(node.max - node.min):  # optional copies, each may stop early
+        count = node.max - node.min
+        num_regions = len(self.repeats)
+        copy = 0
+        scratch = -1  # a virtual state given rows for the build of the last copy from it
+        while copy < count:  # optional copies, each may stop early
+            if (copy == 3 and count >= VIRTUAL_MIN_COPIES and len(strides) == 1 and len(self.repeats) == num_regions
+                    and not nullable(node.item, _EVERY_RULE)):
+                scratch = state = self._virtual_copies(first, strides.copy().pop(), count)
+                copy = count - 1
             self.eps[state].append(end)
             target = self.new()
             self.build(node.item, state, target)
             strides.add(len(self.eps) - target)
             state = target
+            copy += 1
+        if scratch >= 0:  # its rows are its template's moved on, the same edges the build just gave it
+            for rows in (self.eps, self.byte_edges, self.token_edges, self.call_edges):
+                rows[scratch] = None
         self.eps[state].append(end)
-        count = node.max - node.min
         if count >= 3 and len(strides) == 1 and not nullable(node.item, _EVERY_RULE):
             self._add_region(first, strides.pop(), count)
+
+    def _virtual_copies(self, first: int, stride: int, count: int) -> int:
+        """Copies 2 .. count - 2 of a repeat run whose copies 0-2 are built (copy 2 only so that copy 1's end
+        has its edges on): left virtual, as copy 1 moved on (nfa_rows.Virtual). -> the end of copy count - 2,
+        given empty rows, from which the caller builds the last copy (whose end takes no byte)."""
+        if first + count * stride > MAX_NFA_STATES:
+            raise GrammarError(f"the grammar is too large (over {MAX_NFA_STATES} automaton states); "
+                               "lower repeat counts or lengths")
+        begin = first + 2 * stride
+        num = (count - 3) * stride
+        for rows in (self.eps, self.byte_edges, self.token_edges, self.call_edges):
+            del rows[begin:]
+            rows.extend([None] * num)
+        self.virtual.append((begin, stride, count - 3, first + stride, first, first + count * stride))
+        scratch = first + (count - 2) * stride
+        for rows in (self.eps, self.byte_edges, self.token_edges, self.call_edges):
+            rows[scratch] = []
+        return scratch
 
     def _add_region(self, first: int, stride: int, count: int) -> None:
         """Record a run of optional copies made alike (see CompiledGrammar.repeats), of an item that is never
@@ -417,5 +424,7 @@ def _compile(grammar: Grammar, key: str) -> CompiledGrammar:
     is_final = [False] * len(b.eps)
     for f in b.rule_final:
         is_final[f] = True
-    return CompiledGrammar(key, b.eps, b.byte_edges, b.token_edges, b.call_edges, is_final, b.rule_start,
-                           b.rule_final, start_rule, b.repeats)
+    rows = [b.eps, b.byte_edges, b.token_edges, b.call_edges]
+    if b.virtual:
+        rows = [ListRows(r, width, b.virtual) for r, (_, width) in zip(rows, _EDGE_LISTS)]
+    return CompiledGrammar(key, *rows, is_final, b.rule_start, b.rule_final, start_rule, b.repeats, b.virtual)

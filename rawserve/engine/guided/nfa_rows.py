@@ -1,0 +1,104 @@
+"""A CompiledGrammar's per-state edge lists as the automaton reads them: the builder's lists, or flat ints after a
+pickle round trip, either with the middle copies of a long repeat run left virtual (read off one built copy
+moved on). Pure Python, no torch."""
+from __future__ import annotations
+
+# A virtual span: (first, stride, count, template, lo, hi). States first .. first + count * stride - 1 are `count`
+# copies of the `stride` states from `template` on, copy k moved (k + 1) * stride on: each edge's target
+# (its last item) in lo .. hi - 1 (the whole repeat run) moves with it, the others (where the run ends) stay.
+Virtual = tuple[int, int, int, int, int, int]
+
+
+def _source(virtual: list[Virtual], s: int) -> tuple[int, int, int, int]:
+    """(template state, shift, lo, hi) for a virtual state s; (-1, 0, 0, 0) for a state with rows of its own."""
+    for first, stride, count, template, lo, hi in virtual:
+        if first <= s < first + count * stride:
+            k, j = divmod(s - first, stride)
+            return template + j, (k + 1) * stride, lo, hi
+    return -1, 0, 0, 0
+
+
+def _moved(row: list, width: int, shift: int, lo: int, hi: int) -> list:
+    if width == 1:
+        return [t + shift if lo <= t < hi else t for t in row]
+    return [(*edge[:-1], edge[-1] + shift) if lo <= edge[-1] < hi else edge for edge in row]
+
+
+class ListRows:
+    """The builder's lists, None at virtual states: rows[s] is state s's list, a virtual one made on first read
+    (and kept apart, so the lists keep None where a pickle writes nothing)."""
+
+    __slots__ = ("rows", "width", "virtual", "_made")
+
+    def __init__(self, rows: list, width: int, virtual: list[Virtual]) -> None:
+        self.rows, self.width, self.virtual = rows, width, virtual
+        self._made: dict[int, list] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, s: int) -> list:
+        row = self.rows[s]
+        if row is not None:
+            return row
+        row = self._made.get(s)
+        if row is None:
+            src, shift, lo, hi = _source(self.virtual, s)
+            row = self._made[s] = _moved(self[src], self.width, shift, lo, hi)
+        return row
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
+
+
+class PackedRows:
+    """Per-state edge lists read from flat ints (a pickled CompiledGrammar): rows[s] is state s's list (of ints,
+    or of width-tuples); a virtual state's is its template's moved on."""
+
+    __slots__ = ("offsets", "flat", "width", "virtual", "_is_virtual", "_tuples")
+
+    def __init__(self, offsets: list[int], flat: list[int], width: int, virtual: list[Virtual] = ()) -> None:
+        self.offsets, self.flat, self.width, self.virtual = offsets, flat, width, list(virtual)
+        # per state 1 where it is virtual: asked at a row's first read, where a walk of the spans cost a cold
+        # first pass a tenth of its time
+        self._is_virtual = bytearray(len(offsets) - 1)
+        for first, stride, count, _, _, _ in self.virtual:
+            self._is_virtual[first:first + count * stride] = b"\x01" * (count * stride)
+        # rows of tuples made once per state read: a configuration's expansion and closures read the same
+        # few states hundreds of times, and regrouping the flat ints at every read topped a cold mask's profile
+        self._tuples: dict[int, list] = {}
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, s: int) -> list:
+        if self.width == 1 and not self._is_virtual[s]:
+            return self.flat[self.offsets[s]:self.offsets[s + 1]]
+        row = self._tuples.get(s)
+        if row is None:
+            if self._is_virtual[s]:
+                src, shift, lo, hi = _source(self.virtual, s)
+                row = _moved(self[src], self.width, shift, lo, hi)
+            else:
+                a, b = self.offsets[s], self.offsets[s + 1]
+                row = list(zip(*[iter(self.flat[a:b])] * self.width))
+            self._tuples[s] = row
+        return row
+
+    def __iter__(self):
+        return (self[s] for s in range(len(self)))
+
+
+def has_edges(a, b) -> list[bool]:
+    """Per state: any edge in a or b (from the offsets alone when the lists are flat; a virtual state as its
+    template)."""
+    if isinstance(a, PackedRows) and isinstance(b, PackedRows):
+        ao, bo = a.offsets, b.offsets
+        out = [x != y or u != w for x, y, u, w in zip(ao, ao[1:], bo, bo[1:])]
+    elif isinstance(a, ListRows) and isinstance(b, ListRows):
+        out = [bool(x or y) for x, y in zip(a.rows, b.rows)]
+    else:
+        return [bool(a[s] or b[s]) for s in range(len(a))]
+    for first, stride, count, template, _, _ in a.virtual:
+        out[first:first + count * stride] = out[template:template + stride] * count
+    return out
