@@ -215,3 +215,41 @@ def test_a_row_that_samples_before_and_after_the_forward_gets_one_output_with_bo
     assert [(o.request_id, o.new_token_ids) for o in merged] == [("b", [7]), ("c", [1]), ("a", [5, 6])]
     assert merged[2].logprobs == ["la", "lb"] and merged[2].prompt_logprobs == [None]
     assert merged[2].num_output_tokens == 2 and merged[0].finished
+
+
+def test_a_row_that_sits_out_hands_its_grammar_to_the_helper_before_the_step_ends(large_vocab_model_dir, tok):
+    """split claims every constrained row's grammar; one whose rows all sit out goes back at once, so its mask
+    builds while the step samples the others (and the row can make the next forward); a grammar a sampling row
+    uses stays the step's until end_step, even for its other rows that sit out."""
+    import torch
+
+    from rawserve.engine.request import Request, RequestStatus
+
+    core = make_core(large_vocab_model_dir)
+    registry, worker = core._guided, core._guided._worker
+    shared, alone = digits("hand-back-shared"), digits("hand-back-alone")
+    ready, twin, late = registry.state_for(shared), registry.state_for(shared), registry.state_for(alone)
+    assert registry.wait_idle(30) and ready.has_mask and late.has_mask
+    seven = tok.encode("7", add_special_tokens=False)[0]
+    late.advance(seven)  # configurations whose masks nobody built yet
+    twin.advance(seven)
+    assert not late.has_mask and not twin.has_mask
+    reqs = []
+    for name, state in (("ready", ready), ("twin", twin), ("late", late)):
+        req = Request(name, tok.encode("Digits:"), SamplingParams(max_tokens=6))
+        req.guided, req.status = state, RequestStatus.RUNNING
+        reqs.append(req)
+    rows, sampling = core._deferred.split(torch.zeros(3, core.vocab_size), reqs, registry)
+    try:
+        assert [r.rid for r in sampling] == ["ready"] and rows.shape[0] == 1
+        assert core._deferred.holds(reqs[1]) and core._deferred.holds(reqs[2])
+        worker.wait_until(lambda: late.has_mask, 10)  # built with the step still under way (no end_step yet)
+        assert late.has_mask
+        time.sleep(0.2)
+        assert not twin.has_mask  # its grammar is the step's: "ready" samples with it
+        registry.end_step()
+        worker.wait_until(lambda: twin.has_mask, 10)
+        assert twin.has_mask
+    finally:
+        registry.end_step()
+        core.close()

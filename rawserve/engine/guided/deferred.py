@@ -5,6 +5,8 @@ Core side. EngineCore owns one (without speculative decoding); the scheduler lea
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from rawserve.engine.guided.matcher import GuidedRegistry
@@ -12,8 +14,9 @@ from rawserve.engine.request import Request, RequestStatus
 from rawserve.engine.types import RequestOutput
 
 # After the forward, a row whose mask is still building is waited for up to this share of the forward's time before
-# it is deferred: most cold masks finish within it (a deferred row misses the next forward, which costs batch-32
-# throughput), and the other rows' inter-token gap grows by at most this much.
+# it is deferred: most cold masks finish within it (a deferred row whose mask is not built by the next step's start
+# misses that step's forward, which costs batch-32 throughput), and the other rows' inter-token gap grows by at most
+# this much.
 GRACE_FRACTION = 0.1
 
 
@@ -64,6 +67,8 @@ class DeferredSamples:
                 del rows[req]
             elif registry.is_ready(req.guided):
                 later.append(req)
+        if rows:  # the grammars of rows that sit out, unless a sampling row uses them, go back to the helper now
+            release_idle_grammars(registry, rows, [reqs[i] for i in keep] + later)
         if len(keep) == len(reqs) and not later:
             return logits, reqs
         if len(keep) < len(reqs):
@@ -71,6 +76,14 @@ class DeferredSamples:
         if later:
             logits = torch.cat([logits, torch.stack([rows.pop(req) for req in later])])
         return logits, [reqs[i] for i in keep] + later
+
+
+def release_idle_grammars(registry: GuidedRegistry, sitting: Iterable[Request], sampling: list[Request]) -> None:
+    """is_ready claimed each row's grammar for the step; a row that sits out will not touch its grammar again
+    this step, so the helper builds its mask while the step samples the others (the sampler's torch ops release
+    the GIL): most then sample at the next step's start and make its forward, instead of missing it."""
+    used = {req.guided.runtime for req in sampling if req.guided is not None}
+    registry.release(req.guided for req in sitting if req.guided.runtime not in used)
 
 
 def merge_outputs(first: list[RequestOutput], then: list[RequestOutput]) -> list[RequestOutput]:

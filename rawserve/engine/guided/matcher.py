@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import logging
 
@@ -514,6 +515,11 @@ class GuidedRegistry:
     def forget(self, state: GuidedState) -> None:
         """Its request ended: its queued mask is not needed."""
         self._worker.forget(state)
+
+    def release(self, states: Iterable[GuidedState]) -> None:
+        """The step will not touch these states' grammars again (their rows sit it out): the helper may build on
+        them now, while the step samples its other rows."""
+        self._worker.release({state.runtime for state in states})
 
     def end_step(self) -> None:
         """The step is done with every grammar: the helper may build on all of them again."""
