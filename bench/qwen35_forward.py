@@ -24,7 +24,7 @@ import torch
 from bench.model_forward import rev, timed
 from rawserve.engine.attention import long_decode
 from rawserve.engine.loader import HybridConfig, ModelConfig
-from rawserve.engine.models.decoder import cpu_prepack_supported
+from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import Qwen35Model
 from rawserve.engine.step_plan import StepInput

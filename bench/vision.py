@@ -30,7 +30,7 @@ import torch
 from bench.model_forward import rev
 from rawserve.engine.loader import VisionConfig
 from rawserve.engine.mm_inputs import ImageInput, image_token_count, smart_resize
-from rawserve.engine.models.decoder import cpu_prepack_supported
+from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.models.vision import VisionTower
 from rawserve.engine.multimodal.positions import mrope_positions
 from rawserve.engine.multimodal.preprocess import PreprocessConfig, pixel_patches

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rawserve.engine.models.decoder import cpu_prepack_supported
+from rawserve.engine.models.packed import cpu_prepack_supported, pack, packed_linear
 
 _PROBE_ROWS = (1, 32)  # a decode step at one stream and at a busy batch
 _PROBE_BYTES = 24 << 20  # float32 weight bytes cycled through per timing: more than a small VM's L3 share
@@ -51,19 +51,19 @@ def _matmul_ms(dtypes: tuple[torch.dtype, ...], out_features: int, in_features: 
     copies = min(_MAX_COPIES, max(2, _PROBE_BYTES // (out_features * in_features * 4)))
     runs = {}
     for dtype in dtypes:
-        pack = cpu_prepack_supported(dtype)
+        packs = cpu_prepack_supported(dtype)
         weights = []
         for _ in range(copies):  # one dense weight at a time, so the probe's peak stays near its weights' bytes
             w = torch.randn(out_features, in_features).to(dtype)
-            weights.append(torch.ops.mkldnn._reorder_linear_weight(w) if pack else w)
-        runs[dtype] = (pack, weights)
+            weights.append(pack(w) if packs else w)
+        runs[dtype] = (packs, weights)
 
     def one_pass(dtype: torch.dtype, x: torch.Tensor) -> float:
-        pack, weights = runs[dtype]
+        packs, weights = runs[dtype]
         start = time.perf_counter()
         for w in weights:
-            if pack:
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            if packs:
+                packed_linear(x, w)
             else:
                 F.linear(x, w)
         return (time.perf_counter() - start) / len(weights) * 1e3

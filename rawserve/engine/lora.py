@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import torch
-import torch.nn.functional as F
 
 from rawserve.engine.loader import CheckpointError, ModelConfig, TensorEntry, read_tensor_into, tensor_entries
 

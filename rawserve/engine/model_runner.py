@@ -20,14 +20,15 @@ from rawserve.engine.dtype_probe import DtypeChoice, probe_cpu_dtype
 from rawserve.engine.loader import ModelConfig, embedding_name, mapped_embedding, read_model_config, \
     read_safetensors_header, safetensors_files
 from rawserve.engine.lora import LoraWeights
-from rawserve.engine.models.decoder import DecoderModel, cpu_prepack_supported
+from rawserve.engine.models.decoder import DecoderModel
 from rawserve.engine.models.gated_delta import StateBatch
-from rawserve.engine.models.qwen35 import load_qwen35_model
+from rawserve.engine.models.moe import expert_weight_bytes
+from rawserve.engine.models.packed import cpu_prepack_supported
+from rawserve.engine.models.qwen3_moe import load_moe_model
 from rawserve.engine.models.qwen3_vl import Qwen3VLTextModel
+from rawserve.engine.models.qwen35 import load_qwen35_model
 from rawserve.engine.multimodal.budget import VISION_PREFIX, step_bytes_with_images, vision_weight_bytes
 from rawserve.engine.multimodal.manager import MultiModalManager
-from rawserve.engine.models.moe import expert_weight_bytes
-from rawserve.engine.models.qwen3_moe import load_moe_model
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.vocab_ops import ROW_CHUNK

@@ -249,7 +249,7 @@ def mapped_resident_kib(file) -> int:
 def test_a_tied_head_is_packed_once_and_lookups_read_only_the_rows_they_touch(tmp_path):
     """No second copy of a tied embedding: the head is packed, the lookups read the checkpoint file mapped, and
     only the pages of rows looked up are resident (packing read every row, then dropped them)."""
-    from rawserve.engine.models.decoder import cpu_prepack_supported
+    from rawserve.engine.models.packed import cpu_prepack_supported
     from rawserve.engine.model_runner import weight_bytes
 
     if not cpu_prepack_supported(torch.float32):

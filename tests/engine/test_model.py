@@ -131,7 +131,7 @@ def test_bfloat16_decode_agrees_with_prefill_and_float32(tiny_qwen3_dir):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepacked_cpu_weights_give_the_same_logits_as_dense(tiny_qwen3_dir, dtype):
-    from rawserve.engine.models.decoder import cpu_prepack_supported
+    from rawserve.engine.models.packed import cpu_prepack_supported
 
     if not cpu_prepack_supported(getattr(torch, dtype)):
         pytest.skip(f"oneDNN {dtype} weight pre-packing is not available in this torch build")
@@ -153,7 +153,7 @@ def test_prepacked_cpu_weights_give_the_same_logits_as_dense(tiny_qwen3_dir, dty
 def test_bf16_tied_checkpoint_in_float32_keeps_its_embedding_narrow_and_matches_transformers(tmp_path):
     """The tied head is packed for the matmul; the dense rows kept for lookups stay at the checkpoint's bf16
     (half the bytes) and the logits still match transformers in float32."""
-    from rawserve.engine.models.decoder import cpu_prepack_supported
+    from rawserve.engine.models.packed import cpu_prepack_supported
 
     path = make_hf_checkpoint(tmp_path / "bf16", "qwen3", tied=True, dtype="bfloat16")
     runner = make_runner(path, "float32")

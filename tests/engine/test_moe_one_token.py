@@ -8,7 +8,7 @@ import torch
 
 from rawserve.engine.loader import ModelConfig, MoEConfig
 from rawserve.engine.models import moe
-from rawserve.engine.models.decoder import cpu_prepack_supported
+from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.quant import probe_plan
 
 E, K, H, I = 8, 3, 64, 32

@@ -20,28 +20,11 @@ from rawserve.engine.attention import get_backend
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, TensorEntry, load_weights, map_tensor, mapped_embedding
 from rawserve.engine.lora import LoraBatch, LoraWeights
+from rawserve.engine.models.packed import PackedLinears, pack, packed_linear
 from rawserve.engine.quant import QuantizedLinear, QuantPlan, quantize, quantized_bytes
 
 log = logging.getLogger("rawserve.engine")
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the fused matmul weights of a layer
-
-
-def cpu_prepack_supported(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can hold this dtype's weights pre-packed for CPU matmuls (float32 and bfloat16).
-
-    A private torch op (the one torch.compile uses for CPU linears), so probe it rather than trust it. bf16
-    pre-packed is the fast bf16 path (2-3x F.linear's bf16 at one row on an AVX512-BF16 CPU), and needs the
-    same probe: a build without oneDNN's bf16 kernels raises, or returns wrong values.
-    """
-    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(8, 8, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
-        return out.dtype == dtype and bool(torch.equal(out.float(), torch.full((2, 8), 8.0)))
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -91,7 +74,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos + x32.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
-class LinearOwner(nn.Module):
+class LinearOwner(PackedLinears):
     """A layer whose matmul weights (`linear_names`) run one way: quantized (--quantization), oneDNN pre-packed
     (CPU), or dense, plus LoRA deltas. Shared by every layer kind, so prepack, quantization and LoRA reach each
     one through the same hooks (DecoderModel.prepack, defer_quantized, enable_lora)."""
@@ -102,32 +85,16 @@ class LinearOwner(nn.Module):
         super().__init__()
         self.index = index
         self.lora: LoraWeights | None = None  # set by DecoderModel.enable_lora
-        self.packed: dict[str, torch.Tensor] = {}  # name -> oneDNN pre-packed weight (CPU only)
         self.quant: dict[str, QuantizedLinear] = {}  # name -> quantized weight (--quantization)
 
     def prepack(self) -> None:
-        """Re-lay the matmul weights in oneDNN's blocked format and drop the dense copies.
-
-        On CPU this makes every linear 2-4x faster (measured at 1-512 rows: the weights are no longer
-        re-packed on each call), batch-1 decode included.
-        """
-        for name in self.linear_names:
-            if name in self.quant:
-                continue
-            param = getattr(self, name)
-            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach())
-            param.data = torch.empty(0, dtype=param.dtype)  # free the dense weight
+        """CPU: the matmul weights that are not quantized, pre-packed (batch-1 decode included: 2-4x)."""
+        self.prepack_names(name for name in self.linear_names if name not in self.quant)
 
     def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None,
                lora: LoraBatch | None = None) -> torch.Tensor:
-        packed = self.packed.get(name)
         quantized = self.quant.get(name)
-        if quantized is not None:
-            y = quantized(x, bias)
-        elif packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        else:
-            y = F.linear(x, getattr(self, name), bias)
+        y = quantized(x, bias) if quantized is not None else super().linear(x, name, bias)
         if lora is not None:  # the base matmul ran once for every row; adapter rows add their delta
             y = self.lora.apply(self.index, name, x, y, lora)
         return y
@@ -327,7 +294,7 @@ class DecoderModel(nn.Module):
         if self.quant_head is not None:
             return
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        self.packed_head = torch.ops.mkldnn._reorder_linear_weight(self._dense_head(weight.detach()))
+        self.packed_head = pack(self._dense_head(weight.detach()))
         if self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         if self.embedding_file is not None:  # packing read every row: drop them from this process's pages
@@ -372,7 +339,7 @@ class DecoderModel(nn.Module):
         if self.quant_head is not None:
             logits = self.quant_head(hidden)
         elif self.packed_head is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [], "")
+            logits = packed_linear(hidden, self.packed_head)
         else:
             logits = F.linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
         if logits.dtype == torch.float32:

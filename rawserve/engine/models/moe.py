@@ -14,6 +14,7 @@ from torch import nn
 
 from rawserve.engine.loader import CheckpointError, ModelConfig, Target, TensorEntry, read_safetensors_header, \
     read_tensor_into
+from rawserve.engine.models.packed import PackedLinears, pack, packed_linear
 from rawserve.engine.quant import QuantizedLinear, QuantPlan, quantize, quantized_bytes
 
 log = logging.getLogger("rawserve.engine")
@@ -221,8 +222,7 @@ class Experts(nn.Module):
         micro, bf16, one MoE layer of Qwen3-30B-A3B's shape: 1.5x faster at 1 token, 3.4x at 32)."""
         if self.quant is not None:
             return
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        self.packed = [(reorder(self.gate_up[x].detach()), reorder(self.down[x].detach()))
+        self.packed = [(pack(self.gate_up[x].detach()), pack(self.down[x].detach()))
                        for x in range(self.num_experts)]
         self.gate_up.data = torch.empty(0, dtype=self.gate_up.dtype)
         self.down.data = torch.empty(0, dtype=self.down.dtype)
@@ -256,7 +256,7 @@ class Experts(nn.Module):
         if self.quant is not None:
             return self.quant[index][0](x, bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed[index][0], bias, "none", [], "")
+            return packed_linear(x, self.packed[index][0], bias)
         return F.linear(x, self.gate_up[index], bias)
 
     def down_proj(self, h: torch.Tensor, index: int) -> torch.Tensor:
@@ -265,7 +265,7 @@ class Experts(nn.Module):
         if self.quant is not None:
             return self.quant[index][1](h, bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(h, self.packed[index][1], bias, "none", [], "")
+            return packed_linear(h, self.packed[index][1], bias)
         return F.linear(h, self.down[index], bias)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
@@ -323,7 +323,7 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 
 
-class SparseMoe(nn.Module):
+class SparseMoe(PackedLinears):
     """The MoE MLP of one layer: router -> experts, plus Qwen3.5-MoE's shared expert behind its sigmoid gate."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
@@ -343,7 +343,6 @@ class SparseMoe(nn.Module):
         self.shared_gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False) \
             if shared else None
         self.checkpoint_names: set[str] = set()
-        self.packed: dict[str, torch.Tensor] = {}  # CPU: router and shared-expert weights in oneDNN's layout (prepack)
 
     def targets(self, prefix: str) -> dict[str, Target]:
         """prefix: the layer's "…mlp". Qwen names the router mlp.gate, gpt-oss mlp.router (with a bias). The
@@ -370,19 +369,8 @@ class SparseMoe(nn.Module):
         the 2-3x of cpu-kernels.md; for the small [E, H] router the measurements disagree (48 cold bf16 [128, 2048]
         routers, one row, one thread, loaded box: 52-59 against 82-167 us a call packed; bench.moe micro: 97-156
         against 66-113), and a one-stream step gives the same time either way (bench.moe step, router_f_linear)."""
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        for name in ("router", "shared_gate_up", "shared_down"):
-            param = getattr(self, name)
-            if param is not None:
-                self.packed[name] = reorder(param.detach())
-                param.data = torch.empty(0, dtype=param.dtype)
+        self.prepack_names(name for name in ("router", "shared_gate_up", "shared_down") if getattr(self, name) is not None)
         self.experts.prepack()
-
-    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        packed = self.packed.get(name)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return F.linear(x, getattr(self, name), bias)
 
     def router_bytes(self) -> int:
         """Bytes of the router's weight as its matmul reads it (every token's step reads all of it)."""

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, read_model_config
 from rawserve.engine.lora import LoraBatch
-from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, apply_rope, \
-    cpu_prepack_supported
+from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, apply_rope
 from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, \
     gated_delta_rule, l2_normalize, plan_delta_step
 from rawserve.engine.models.mrope import interleaved_streams, rope_tables
+from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan
 
 __all__ = ["Qwen35Model", "StateBatch", "load_qwen35_model"]

@@ -13,9 +13,10 @@ from torch import nn
 
 from rawserve.engine.loader import ModelConfig, Target, read_model_config, safetensors_files
 from rawserve.engine.lora import LoraBatch
-from rawserve.engine.models.decoder import DecoderLayer, DecoderModel, LinearOwner, cpu_prepack_supported
+from rawserve.engine.models.decoder import DecoderLayer, DecoderModel, LinearOwner
 from rawserve.engine.models.moe import SparseMoe, checkpoint_names
 from rawserve.engine.models.qwen35 import GatedAttentionLayer, GatedDeltaNetLayer, Qwen35Model
+from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan
 
 log = logging.getLogger("rawserve.engine")

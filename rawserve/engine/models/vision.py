@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rawserve.engine.loader import ModelConfig, Target, VisionConfig, load_weights
-from rawserve.engine.models.decoder import cpu_prepack_supported
+from rawserve.engine.models.packed import PackedLinears, cpu_prepack_supported
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
                 "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "silu": F.silu}
@@ -22,25 +22,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class Linears(nn.Module):
-    """Matmuls by weight name, run as the text layers' are (decoder.LinearOwner): on a CPU, oneDNN pre-packed
-    (prepack), else F.linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.packed: dict[str, torch.Tensor] = {}
+class Linears(PackedLinears):
+    """Matmuls by weight name, run as the text layers' are: on a CPU, every 2-D `*_weight` but the norms'
+    pre-packed (prepack), else F.linear."""
 
     def prepack(self) -> None:
-        for name, param in self.named_parameters(recurse=False):
-            if name.endswith("_weight") and param.dim() == 2 and not name.startswith("norm"):
-                self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(param.detach())
-                param.data = torch.empty(0, dtype=param.dtype)
-
-    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor) -> torch.Tensor:
-        packed = self.packed.get(name)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return F.linear(x, getattr(self, name), bias)
+        self.prepack_names(name for name, param in self.named_parameters(recurse=False)
+                           if name.endswith("_weight") and param.dim() == 2 and not name.startswith("norm"))
 
 
 class Merger(Linears):

@@ -13,8 +13,9 @@ from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.kv_cache import KVCacheManager
 from rawserve.engine.loader import CheckpointError, load_weights, read_safetensors_header, safetensors_files
 from rawserve.engine.model_runner import ModelRunner
-from rawserve.engine.models.decoder import LinearOwner, _param, cpu_prepack_supported
+from rawserve.engine.models.decoder import LinearOwner, _param
 from rawserve.engine.models.qwen35 import GatedAttentionLayer, offset_rms_norm
+from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.multimodal.positions import mrope_positions
 from rawserve.engine.quant import QuantPlan, quantize
 from rawserve.engine.request import Request
