@@ -100,7 +100,8 @@ def test_shutdown_timeout_bounds_the_exit_when_a_request_outlasts_it():
         server.terminate()
         began = time.monotonic()
         assert server.wait(30) == 0
-        assert time.monotonic() - began < 2 + 1.5  # the timeout, plus the interpreter's own exit
+        # the timeout, plus the interpreter's own exit (1.6 s on a 2-core box at load 5); the 2,000 tokens take far longer
+        assert time.monotonic() - began < 2 + 3
         stream.join(10)
         # Cut short, and told so (issue 13): a server_shutdown error event, then [DONE] and the chunked end.
         assert stream.error is None and stream.done, stream.error
