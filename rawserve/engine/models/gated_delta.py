@@ -7,6 +7,7 @@ the conv, at the model's dtype) and recurrent [num_slots, num_v_heads, head_k_di
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,18 +35,45 @@ class StateBatch:
 
 
 @dataclass(slots=True)
+class PrefillGroup:
+    """Prefill sequences scanned by one chunked_rule call: all fresh (zero_start) or all carried, their lengths in
+    one size class (prefill_size_class), cut into chunks of `chunk_size` (each sequence padded to whole chunks)
+    ordered chunk index first, so the chunks of the scan's i-th round are one contiguous run, its sequences the
+    first `num_active` of `slots` (longest first)."""
+
+    slots: torch.Tensor  # [num_seqs] int64 state slots, longest first
+    zero_start: bool  # fresh sequences: chunked_rule's zero_start
+    chunk_size: int
+    rounds: list[tuple[int, int]]  # per chunk index: (first chunk, sequences that have it)
+    chunk_gather: torch.Tensor  # [num_chunks * chunk_size] token row per chunk position (0: pad)
+    chunk_pads: torch.Tensor | None  # [num_chunks, 1, chunk_size] bool: pad positions (None: none)
+    tokens: torch.Tensor  # [num_group_tokens] the group's token rows
+    positions: torch.Tensor  # [num_group_tokens] each one's chunk position
+    # (rows per token, heads) -> flat row indices of the chunked layout (chunk_rows): every layer has the same
+    gathers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+def prefill_size_class(length: int, chunk_size: int) -> int:
+    """Prefills share a group (and its chunk size) by class: up to 16 tokens, up to 32, longer. A step's 16-token
+    prompt tails beside longer prompts would otherwise be padded to the longer ones' 64-token chunks, 4x the
+    work in every product of the rule (and 16x in the [C, C] ones); finer classes would mean more calls."""
+    return min(chunk_size, max(16, 1 << (length - 1).bit_length()))
+
+
+@dataclass(slots=True)
 class DeltaPlan:
     """One step's layout for every Gated DeltaNet layer, built once (plan_delta_step) and shared by them.
 
     Conv: each sequence's kernel - 1 saved inputs are laid in front of its new tokens in one [rows, conv_dim]
     tensor ("history"), so a single shifted multiply-add runs the whole batch's conv.
     Delta rule: decode rows (one new token) take the recurrent step together; prefill rows are cut into
-    chunks of `chunk_size` (each sequence padded to whole chunks), ordered chunk index first so the chunks
-    of the scan's i-th round are one contiguous run, its sequences the first `num_active` of `prefill_slots`.
+    chunks, one layout per PrefillGroup: fresh ones (no token computed yet), which the rule starts from zeros
+    without reading a state, apart from carried ones, and each by size class.
     """
 
     slots: torch.Tensor  # [num_seqs] int64 state slot of each sequence
-    fresh_slots: torch.Tensor | None  # int64 slots whose state starts from zeros this step
+    fresh_slots: torch.Tensor | None  # int64 slots whose conv state starts from zeros this step
+    fresh_recurrent: torch.Tensor | None  # int64 slots whose recurrent state must be zeroed before the rule reads it
     history_index: torch.Tensor  # [num_seqs * (kernel - 1) + num_tokens] rows of cat(saved inputs, new inputs)
     conv_out_index: torch.Tensor  # [num_tokens] row of the shifted sum holding each token's conv output
     conv_state_index: torch.Tensor  # [num_seqs * (kernel - 1)] history rows that become each sequence's state
@@ -54,18 +82,10 @@ class DeltaPlan:
     decode_span: tuple[int, int] | None  # (first slot, count): the decodes' slots lie in this run of the pool
     decode_span_rows: torch.Tensor | None  # [count] token row of each slot of the run (num_tokens: not a decode)
     decode_place: torch.Tensor | None  # [num_decodes] each decode's place in the run
-    prefill_tokens: torch.Tensor | None  # [num_prefill_tokens] token rows of the longer sequences
-    prefill_slots: torch.Tensor | None  # [num_prefills] their slots, longest first
-    chunk_gather: torch.Tensor | None  # [num_chunks * chunk_size] token row per chunk position (0: pad)
-    chunk_pads: torch.Tensor | None  # [num_chunks, 1, chunk_size] bool: pad positions (None: none)
-    chunk_scatter: torch.Tensor | None  # [num_tokens] chunk position of each token (0 for a decode row)
-    rounds: list[tuple[int, int]]  # per chunk index: (first chunk, number of sequences that have it)
-    chunk_size: int
+    groups: list[PrefillGroup]  # the prefill sequences (none: a step of decodes)
     num_tokens: int
     all_decode: bool = False  # every sequence has one new token
     slot_run: int | None = None  # the slots are first, first + 1, ... in batch order: the pool's rows as a view
-    # (rows per token, heads) -> flat row indices of the chunked layout (chunk_rows): every layer has the same
-    gathers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def decode_span(tokens: list[int], slots: list[int], num_tokens: int
@@ -94,7 +114,10 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     conv_state: list[int] = []
     decode_tokens: list[int] = []
     decode_slots: list[int] = []
-    prefills: list[tuple[int, int, int]] = []  # (start, length, slot)
+    # The chunked rule starts fresh prefills from zeros itself (their group's zero_start) and overwrites their
+    # states whole: only fresh decode rows (a one-token prompt) need their recurrent state zeroed.
+    fresh_recurrent: list[int] = []
+    prefills: list[tuple[int, int, int, bool]] = []  # (start, length, slot, fresh)
     for i in range(num_seqs):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         n = end - start
@@ -106,8 +129,10 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
         if n == 1:
             decode_tokens.append(start)
             decode_slots.append(state.slots[i])
+            if state.fresh[i]:
+                fresh_recurrent.append(state.slots[i])
         elif n > 1:
-            prefills.append((start, n, state.slots[i]))
+            prefills.append((start, n, state.slots[i], state.fresh[i]))
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -117,44 +142,46 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     first = state.slots[0] if state.slots else 0
     plan = DeltaPlan(
         slots=tensor(state.slots), fresh_slots=tensor(fresh) if fresh else None,
+        fresh_recurrent=tensor(fresh_recurrent) if fresh_recurrent else None,
         history_index=tensor(history), conv_out_index=tensor(conv_out), conv_state_index=tensor(conv_state),
         decode_tokens=tensor(decode_tokens) if decode_tokens else None,
         decode_slots=tensor(decode_slots) if decode_slots else None,
         decode_span=span, decode_span_rows=None if span_rows is None else tensor(span_rows),
         decode_place=None if place is None else tensor(place),
-        prefill_tokens=None, prefill_slots=None, chunk_gather=None, chunk_pads=None, chunk_scatter=None, rounds=[],
-        chunk_size=chunk_size, num_tokens=num_tokens, all_decode=len(decode_tokens) == num_seqs > 0,
+        groups=[], num_tokens=num_tokens, all_decode=len(decode_tokens) == num_seqs > 0,
         slot_run=first if state.slots == list(range(first, first + num_seqs)) else None)
     if not prefills:
         return plan
-    longest = max(n for _, n, _ in prefills)
-    # A short prompt needs no 64-token chunk padded mostly with zeros: the smallest power of two that holds it.
-    size = min(chunk_size, 1 << (longest - 1).bit_length())
-    prefills.sort(key=lambda p: -p[1])  # longest first: round r's sequences are a prefix of this order
-    num_chunks = [-(-n // size) for _, n, _ in prefills]
-    gather: list[int] = []
-    rounds: list[tuple[int, int]] = []
-    pads: list[bool] = []
-    position = [0] * num_tokens  # token row -> its chunk position (decode rows: 0, overwritten)
-    for r in range(num_chunks[0]):
-        active = sum(1 for c in num_chunks if c > r)
-        rounds.append((len(gather) // size, active))
-        for start, n, _ in prefills[:active]:
-            for t in range(start + r * size, start + min(n, (r + 1) * size)):
-                position[t] = len(gather)
-                gather.append(t)
-            pad = size - min(size, n - r * size)
-            gather.extend([0] * pad)  # any real row: only g and beta must be zero there (gated_delta_rule)
-            pads.extend([False] * (size - pad) + [True] * pad)
-    prefill_tokens = [t for start, n, _ in prefills for t in range(start, start + n)]
-    plan.prefill_tokens = tensor(prefill_tokens)
-    plan.prefill_slots = tensor([slot for _, _, slot in prefills])
-    plan.chunk_gather = tensor(gather)
-    if any(pads):
-        plan.chunk_pads = torch.tensor(pads, device=device).view(-1, 1, size)
-    plan.chunk_scatter = tensor(position)
-    plan.rounds = rounds
-    plan.chunk_size = size
+    classes: dict[tuple[bool, int], list[tuple[int, int, int, bool]]] = {}
+    for p in prefills:  # fresh groups first, each class's sequences longest first
+        classes.setdefault((not p[3], prefill_size_class(p[1], chunk_size)), []).append(p)
+    for key in sorted(classes):
+        group = sorted(classes[key], key=lambda p: -p[1])
+        longest = group[0][1]
+        # a short prompt needs no chunk padded mostly with zeros: the smallest power of two that holds it
+        size = min(chunk_size, 1 << (longest - 1).bit_length())
+        num_chunks = [-(-n // size) for _, n, _, _ in group]
+        gather: list[int] = []
+        pads: list[bool] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        rounds: list[tuple[int, int]] = []
+        for r in range(num_chunks[0]):
+            active = sum(1 for c in num_chunks if c > r)
+            rounds.append((len(gather) // size, active))
+            for start, n, _, _ in group[:active]:
+                for t in range(start + r * size, start + min(n, (r + 1) * size)):
+                    tokens.append(t)
+                    positions.append(len(gather))
+                    gather.append(t)
+                pad = size - min(size, n - r * size)
+                gather.extend([0] * pad)  # any real row: only g and beta must be zero there (gated_delta_rule)
+                pads.extend([False] * (size - pad) + [True] * pad)
+        plan.groups.append(PrefillGroup(
+            slots=tensor([slot for _, _, slot, _ in group]), zero_start=not key[0], chunk_size=size, rounds=rounds,
+            chunk_gather=tensor(gather),
+            chunk_pads=torch.tensor(pads, device=device).view(-1, 1, size) if any(pads) else None,
+            tokens=tensor(tokens), positions=tensor(positions)))
     return plan
 
 
@@ -173,11 +200,12 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
         out = x.float() * taps[keep]
         for k in range(keep):
             out.addcmul_(saved[:, :, k], taps[k])
-        new_state = torch.cat((saved[:, :, 1:], x.unsqueeze(-1)), -1)  # a copy: `saved` may be the pool's view
-        if run is not None:
-            saved.copy_(new_state)
+        if run is not None:  # shifted in place, oldest tap first (each column read before it is overwritten): half
+            for k in range(keep - 1):  # the time of a concatenated copy written back
+                saved[:, :, k].copy_(saved[:, :, k + 1])
+            saved[:, :, keep - 1].copy_(x)
         else:
-            conv_state.index_copy_(0, plan.slots, new_state)
+            conv_state.index_copy_(0, plan.slots, torch.cat((saved[:, :, 1:], x.unsqueeze(-1)), -1))
         return F.silu(out, inplace=True)
     saved = saved.transpose(1, 2).reshape(num_seqs * keep, -1).to(x.dtype)  # [S * (K-1), C]
     history = torch.cat((saved, x)).index_select(0, plan.history_index)  # [S * (K-1) + T, C]
@@ -191,6 +219,21 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
     # one sequence: its outputs are the first T rows; else each sequence's rows, skipping the K - 1 between
     out = out[:plan.num_tokens] if num_seqs == 1 else out.index_select(0, plan.conv_out_index)
     return F.silu(out, inplace=True)
+
+
+def exp_normal(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(x) for log decays x <= 0, exactly 0 where it would fall below the dtype's normal range (a subnormal or
+    0: under about -86 in float32) and where `keep` (broadcast against x) is False. A new tensor.
+
+    On a CPU torch's vectorised exp leaves its fast path for every lane that underflows (or is -inf): a chunk's
+    decays, which span hundreds of e-folds on fast-decaying heads, took 15x longer than over [-80, 0]; and
+    subnormal operands slow every multiply and product they reach. The values flushed are under 1.2e-38 in float32.
+    """
+    floor = math.log(torch.finfo(x.dtype).tiny) + 1.0
+    drop = x < floor
+    if keep is not None:
+        drop.logical_or_(~keep)
+    return x.clamp(floor, 0.0).exp_().masked_fill_(drop, 0.0)
 
 
 def l2_normalize(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,7 +257,7 @@ def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dv = v.shape[-1]
     flat = state.view(batch * heads, dk, dv)
     read = torch.bmm(torch.stack((q, k), 2).view(batch * heads, 2, dk), flat).view(batch, heads, 2, dv)
-    decay = g.exp().unsqueeze(-1)  # [B, H, 1]
+    decay = exp_normal(g).unsqueeze(-1)  # [B, H, 1]
     delta = torch.addcmul(v, decay, read[:, :, 1], value=-1).mul_(beta.unsqueeze(-1))
     out = torch.addcmul(decay * read[:, :, 0], torch.linalg.vecdot(q, k).unsqueeze(-1), delta)
     state.mul_(decay.unsqueeze(-1))
@@ -255,24 +298,27 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, rounds: list[tuple[int, int]]) -> torch.Tensor:
+                 beta: torch.Tensor, rounds: list[tuple[int, int]], zero_start: bool = False) -> torch.Tensor:
     """The gated delta rule over whole chunks (WY form: a chunk's writes solved at once from a unit lower
     triangular system, then one state update per chunk), in place on `states` [P, H, dk, dv] float32.
 
     q, k: [N, H, C, dk] (normalised, q scaled); v: [N, H, C, dv]; g, beta: [N, H, C]; N chunks in the order of
-    DeltaPlan.rounds. Pad positions carry g = beta = 0 (q, k, v there may hold any finite values): their row of
+    PrefillGroup.rounds. Pad positions carry g = beta = 0 (q, k, v there may hold any finite values): their row of
     the system is zero, so their written value is zero and they change no state, and causality keeps them out of
     the real positions' outputs.
     Within a chunk, with G the running sum of g and S0 the state before it, the written values U solve
         (I + L) U = beta V - beta exp(G) K S0,   L[i, j] = beta_i exp(G_i - G_j) k_i.k_j  for j < i,
     the outputs are  exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j,
     and the state after it is  exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T.  -> [N, H, C, dv].
+    zero_start: every sequence starts from S0 = 0 (fresh prompts), so `states` is only written: the first round
+    skips the read of S0 (its largest product: [2C, dk] x [dk, dv] per chunk and head), the decay and the adds,
+    and writes its outputs and states straight from two products (the same values: x - 0 and 0 + x are x).
     """
     num_chunks, heads, size, dk = k.shape
     dv = v.shape[-1]
     cum = g.cumsum(-1)  # [N, H, C]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill_(~causal, float("-inf")).exp_()  # [N, H, C, C]
+    decay = exp_normal(cum.unsqueeze(-1) - cum.unsqueeze(-2), causal)  # [N, H, C, C], 0 above the diagonal
     system = (k @ k.transpose(-1, -2)) * decay * beta.unsqueeze(-1)  # L below the diagonal (rest unread)
     inverse = unit_lower_inverse(system)
     # U = written - k_decayed @ S0. Each solved on its own (the inverse is small) and both reads of the chunk's
@@ -280,21 +326,28 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # product per round reads them without a concatenated copy, and `written` is contiguous as it comes.
     written = inverse @ (v * beta.unsqueeze(-1))  # [N, H, C, dv]
     reads = torch.empty((num_chunks, heads, 2 * size, dk), dtype=q.dtype, device=q.device)
-    torch.matmul(inverse, k * (beta * cum.exp()).unsqueeze(-1), out=reads[:, :, :size])
-    torch.mul(q, cum.exp().unsqueeze(-1), out=reads[:, :, size:])
+    cum_exp = exp_normal(cum)
+    torch.matmul(inverse, k * (beta * cum_exp).unsqueeze(-1), out=reads[:, :, :size])
+    torch.mul(q, cum_exp.unsqueeze(-1), out=reads[:, :, size:])
     attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C]
-    k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [N, H, dk, C]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [N, H, 1, 1]
+    # [N * H, dk, C] as a transposed view: the products read it transposed in place, no copy
+    k_to_end = (k * exp_normal(cum[..., -1:] - cum).unsqueeze(-1)).view(-1, size, dk).transpose(1, 2)
+    chunk_decay = cum_exp[..., -1, None, None]  # [N, H, 1, 1]
     out = torch.empty_like(v)
     for first, active in rounds:
         chunk = slice(first, first + active)
         s0 = states[:active]  # a contiguous prefix: updated in place below, no state-sized temporaries
+        if zero_start and first == 0:  # u is `written` itself
+            u = written[chunk].view(-1, size, dv)
+            torch.bmm(attn[chunk].view(-1, size, size), u, out=out[chunk].view(-1, size, dv))
+            torch.bmm(k_to_end[first * heads:(first + active) * heads], u, out=s0.view(-1, dk, dv))
+            continue
         read = reads[chunk] @ s0  # [active, H, 2C, dv]
         u = (written[chunk] - read[:, :, :size]).view(-1, size, dv)
         torch.baddbmm(read[:, :, size:].reshape(-1, size, dv), attn[chunk].view(-1, size, size), u,
                       out=out[chunk].view(-1, size, dv))
         s0.mul_(chunk_decay[chunk])
-        s0.view(-1, dk, dv).baddbmm_(k_to_end[chunk].view(-1, dk, size), u)
+        s0.view(-1, dk, dv).baddbmm_(k_to_end[first * heads:(first + active) * heads], u)
     return out
 
 
@@ -309,36 +362,36 @@ def head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.as_strided(((num_tokens - 1) * per + heads, d), (d, 1)), per
 
 
-def chunk_rows(plan: DeltaPlan, per: int, heads: int) -> torch.Tensor:
-    """[num_chunks * heads * chunk_size] rows of head_rows' view laid out as [N, H, C] (cached on the plan:
+def chunk_rows(group: PrefillGroup, per: int, heads: int) -> torch.Tensor:
+    """[num_chunks * heads * chunk_size] rows of head_rows' view laid out as [N, H, C] (cached on the group:
     every layer has the same layout)."""
     key = (per, heads)
-    rows = plan.gathers.get(key)
+    rows = group.gathers.get(key)
     if rows is None:
-        tokens = plan.chunk_gather.view(-1, 1, plan.chunk_size)
+        tokens = group.chunk_gather.view(-1, 1, group.chunk_size)
         rows = (tokens * per + torch.arange(heads, device=tokens.device).view(1, heads, 1)).view(-1)
-        plan.gathers[key] = rows
+        group.gathers[key] = rows
     return rows
 
 
-def to_chunks(x: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
-    """[T, H, d] -> [N, H, C, d] contiguous in one gather (no padded copy of x, no transposing copy after)."""
+def to_chunks(x: torch.Tensor, group: PrefillGroup) -> torch.Tensor:
+    """[T, H, d] -> the group's [N, H, C, d], contiguous, in one gather (no padded copy of x, no transposing copy
+    after)."""
     flat, per = head_rows(x)
     heads, d = x.shape[1], x.shape[2]
-    return flat.index_select(0, chunk_rows(plan, per, heads)).view(-1, heads, plan.chunk_size, d)
+    return flat.index_select(0, chunk_rows(group, per, heads)).view(-1, heads, group.chunk_size, d)
 
 
-def from_chunks(o: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
-    """chunked_rule's [N, H, C, dv] -> [T, H, dv] in token order, in one gather (a decode row gets chunk row 0:
-    the caller writes it)."""
+def from_chunks(o: torch.Tensor, group: PrefillGroup) -> torch.Tensor:
+    """chunked_rule's [N, H, C, dv] -> [len(group.tokens), H, dv], the rows of group.tokens, in one gather."""
     heads, size, dv = o.shape[1], o.shape[2], o.shape[3]
     key = (-1, heads)
-    rows = plan.gathers.get(key)
+    rows = group.gathers.get(key)
     if rows is None:
-        position = plan.chunk_scatter.unsqueeze(1)  # [T, 1]
+        position = group.positions.unsqueeze(1)  # [n, 1]
         head = torch.arange(heads, device=position.device).unsqueeze(0)
-        rows = ((position // size * heads + head) * size + position % size).view(-1)  # [T * H]
-        plan.gathers[key] = rows
+        rows = ((position // size * heads + head) * size + position % size).view(-1)  # [n * H]
+        group.gathers[key] = rows
     return o.view(-1, dv).index_select(0, rows).view(-1, heads, dv)
 
 
@@ -352,17 +405,22 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if plan.all_decode and plan.slot_run is not None:  # the usual decode step: every row in place, in order
         first = plan.slot_run
         return recurrent_step(recurrent[first:first + plan.num_tokens], q, k, v, g, beta)
-    if plan.prefill_tokens is not None:
-        gc, bc = (to_chunks(x.unsqueeze(-1), plan).squeeze(-1) for x in (g, beta))  # [N, H, C]
-        if plan.chunk_pads is not None:
-            gc.masked_fill_(plan.chunk_pads, 0)
-            bc.masked_fill_(plan.chunk_pads, 0)
-        states = recurrent.index_select(0, plan.prefill_slots)
-        o = chunked_rule(states, to_chunks(q, plan), to_chunks(k, plan), to_chunks(v, plan), gc, bc, plan.rounds)
-        recurrent.index_copy_(0, plan.prefill_slots, states)
-        out = from_chunks(o, plan)  # [T, H, dv]; decode rows written below
-    else:
-        out = v.new_empty(v.shape)
+    out = v.new_empty(v.shape)  # [T, H, dv]: each group's rows, then the decode rows, written below
+    # gathers and scatters over [slots, state] rows: a 4-D index_select copied rows several times slower
+    pool = recurrent.view(recurrent.shape[0], -1)
+    for group in plan.groups:
+        gc, bc = (to_chunks(x.unsqueeze(-1), group).squeeze(-1) for x in (g, beta))  # [N, H, C]
+        if group.chunk_pads is not None:
+            gc.masked_fill_(group.chunk_pads, 0)
+            bc.masked_fill_(group.chunk_pads, 0)
+        if group.zero_start:  # fresh sequences' states are written whole by the rule's first round
+            states = recurrent.new_empty((group.slots.numel(), *recurrent.shape[1:]))
+        else:
+            states = pool.index_select(0, group.slots).view(-1, *recurrent.shape[1:])
+        o = chunked_rule(states, to_chunks(q, group), to_chunks(k, group), to_chunks(v, group), gc, bc, group.rounds,
+                         zero_start=group.zero_start)
+        pool.index_copy_(0, group.slots, states.view(states.shape[0], -1))
+        out.index_copy_(0, group.tokens, from_chunks(o, group))
     if plan.decode_span is not None:  # in place on the run of slots, rows laid out in slot order
         first, count = plan.decode_span
 
@@ -373,7 +431,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         out[plan.decode_tokens] = o.index_select(0, plan.decode_place)
     elif plan.decode_tokens is not None:
         rows, slots = plan.decode_tokens, plan.decode_slots
-        state = recurrent.index_select(0, slots)
+        state = pool.index_select(0, slots).view(-1, *recurrent.shape[1:])
         out[rows] = recurrent_step(state, q[rows], k[rows], v[rows], g[rows], beta[rows])
-        recurrent.index_copy_(0, slots, state)
+        pool.index_copy_(0, slots, state.view(state.shape[0], -1))
     return out

@@ -124,7 +124,8 @@ class GatedDeltaNetLayer(Qwen35Layer):
         conv_state, recurrent = state
         if plan.fresh_slots is not None:  # sequences with no token computed yet start from zeros
             conv_state.index_fill_(0, plan.fresh_slots, 0)
-            recurrent.index_fill_(0, plan.fresh_slots, 0)
+        if plan.fresh_recurrent is not None:  # (fresh prefills' recurrent states: chunked_rule's zero_start)
+            recurrent.index_fill_(0, plan.fresh_recurrent, 0)
         num_tokens = x.shape[0]
         proj = self.linear(self.norm(x, "input_layernorm"), "in_proj", lora=lora)  # [T, conv + value + 2 Hv]
         mixed, z = proj[:, :self.conv_dim], proj[:, self.conv_dim:self.conv_dim + self.value_dim]
