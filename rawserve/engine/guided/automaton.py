@@ -8,10 +8,15 @@ from bisect import bisect_right
 from collections.abc import Iterable
 
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.nfa_rows import has_edges
+from rawserve.engine.guided.nfa_rows import has_edges, row_reader
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
 DEAD = 0  # configuration id of the empty set: no thread survives
+# Byte rows are tuples, the unexpanded one shared: a list of 256 per configuration is a container the garbage
+# collector walks item by item in every collection it is young for (nested20's first pass interns ~2k), where a
+# tuple of ints is untracked at its first collection.
+UNEXPANDED = (-1,) * 256
+DEAD_ROW = (DEAD,) * 256
 
 
 class Automaton:
@@ -38,7 +43,7 @@ class Automaton:
         self._stack_ids: dict[tuple[int, int], int] = {}
         self.configs: list[frozenset[tuple[int, int]]] = [frozenset()]
         self._config_ids: dict[frozenset[tuple[int, int]], int] = {frozenset(): DEAD}
-        self.next_byte: list[list[int]] = [[DEAD] * 256]  # -1: not computed yet
+        self.next_byte: list[tuple[int, ...]] = [DEAD_ROW]  # UNEXPANDED: not computed yet
         self.next_token: list[dict[int, int]] = [{}]  # special token id -> configuration
         self.is_accepting: list[bool] = [False]
         self.is_complete: list[bool] = [False]  # accepting, and nothing more can follow
@@ -100,6 +105,7 @@ class Automaton:
     def _closure(self, threads: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
         g = self.g
         eps, calls, is_final, consuming, is_tail = g.eps, g.call_edges, g.is_final, self.consuming, self.is_tail
+        read_eps, read_calls = row_reader(eps), row_reader(calls)
         mark = self.mark
         out = set()
         seen = set()
@@ -115,9 +121,11 @@ class Automaton:
                 continue
             if consuming[s]:
                 out.add(thread)
-            for t in eps[s]:
+            row = read_eps(s)
+            for t in (eps[s] if row is None else row):
                 work.append((t, sid))
-            for rule, ret in calls[s]:
+            row = read_calls(s)
+            for rule, ret in (calls[s] if row is None else row):
                 if is_tail(ret):
                     work.append((g.rule_start[rule], sid))
                 elif self.stacks[sid][2] < MAX_STACK_DEPTH:
@@ -137,7 +145,7 @@ class Automaton:
         cid = len(self.configs)
         self._config_ids[threads] = cid
         self.configs.append(threads)
-        self.next_byte.append([-1] * 256)
+        self.next_byte.append(UNEXPANDED)
         self.next_token.append({})
         accepting = (self.accept_state, 0) in threads
         self.is_accepting.append(accepting)
@@ -244,7 +252,7 @@ class Automaton:
         end = first + stride * count
         return any(first <= s < end for s, _ in self.configs[cid])
 
-    def expand_shifted(self, prev: int, cid: int) -> list[int]:
+    def expand_shifted(self, prev: int, cid: int) -> tuple[int, ...]:
         """expand(cid), where cid is prev one copy on along a repeat run (as shift_next makes them) and prev is
         expanded: each of prev's next configurations one copy on, interned without closures. A byte takes a
         thread at most one copy on, so with five copies to spare the shifted threads stay inside the run, where
@@ -267,7 +275,7 @@ class Automaton:
                 hit = shifted[nxt] = self._intern(frozenset(
                     (s + stride, sid) if first <= s < end else (s, sid) for s, sid in self.configs[nxt]))
             row.append(hit)
-        self.next_byte[cid] = row
+        row = self.next_byte[cid] = tuple(row)
         return row
 
     def _run_of(self, s: int) -> int:
@@ -297,7 +305,7 @@ class Automaton:
         nxt = self.next_byte[cid][byte]
         return nxt if nxt >= 0 else self.expand(cid)[byte]
 
-    def expand(self, cid: int) -> list[int]:
+    def expand(self, cid: int) -> tuple[int, ...]:
         """Build all 256 byte transitions of a configuration at once: bytes that no edge boundary
         separates behave alike, so each run of them costs one closure."""
         row = self.next_byte[cid]
@@ -310,22 +318,23 @@ class Automaton:
         # dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
         closed: dict[tuple[tuple[int, int], ...], int] = {}
         for begin, end in zip(cuts, cuts[1:]):
-            moved = tuple((t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi)
+            moved = tuple([(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi])
             if moved:
                 nxt = closed.get(moved)
                 if nxt is None:
                     nxt = closed[moved] = self._intern(self._closure(list(moved)))
                 row[begin:end] = [nxt] * (end - begin)
-        self.next_byte[cid] = row
+        row = self.next_byte[cid] = tuple(row)
         return row
 
     def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
         """(lo, hi, target state, stack id) of every byte edge of cid's threads."""
         byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
+        read = row_reader(byte_edges)
         return [(lo, hi, t, sid) for s, sid in self.configs[cid]
-                for lo, hi, t in (byte_edges[s] if s != mark else any_byte)]
+                for lo, hi, t in (any_byte if s == mark else read(s) or byte_edges[s])]
 
-    def step_some(self, cid: int, data: Iterable[int]) -> list[int] | dict[int, int]:
+    def step_some(self, cid: int, data: Iterable[int]) -> tuple[int, ...] | dict[int, int]:
         """cid's next configurations for the bytes of `data` alone (its whole row when expanded): a tail walk
         follows two or three bytes out of a configuration whose full row would intern ten successors
         (an escape's, the UTF-8 lead bytes'): half the configurations a maxLength string's first mask interned."""

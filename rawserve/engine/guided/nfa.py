@@ -130,8 +130,10 @@ class CompiledGrammar:
         self.virtual = state.get("virtual", [])
         self.is_final = list(map(bool, state["is_final"]))
         for name, width in _EDGE_LISTS:
+            # the int arrays as they came, not lists: a list of 50k ints is a container every collection walks
+            # while it is young and every full one after, for as long as the core keeps the grammar
             offsets, flat = state[name]
-            setattr(self, name, PackedRows(offsets.tolist(), flat.tolist(), width, self.virtual))
+            setattr(self, name, PackedRows(offsets, flat, width, self.virtual))
 
 
 _EDGE_LISTS = (("eps", 1), ("byte_edges", 3), ("token_edges", 2), ("call_edges", 2))

@@ -3,6 +3,8 @@ pickle round trip, either with the middle copies of a long repeat run left virtu
 moved on). Pure Python, no torch."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 # A virtual span: (first, stride, count, template, lo, hi). States first .. first + count * stride - 1 are `count`
 # copies of the `stride` states from `template` on, copy k moved (k + 1) * stride on: each edge's target
 # (its last item) in lo .. hi - 1 (the whole repeat run) moves with it, the others (where the run ends) stay.
@@ -50,43 +52,60 @@ class ListRows:
     def __iter__(self):
         return (self[s] for s in range(len(self)))
 
+    def reader(self) -> Callable[[int], list | None]:
+        """A C-level s -> row, None where rows[s] must be asked (a virtual state): see PackedRows.reader."""
+        return self.rows.__getitem__
+
 
 class PackedRows:
-    """Per-state edge lists read from flat ints (a pickled CompiledGrammar): rows[s] is state s's list (of ints,
+    """Per-state edge lists read from flat ints (a pickled CompiledGrammar): rows[s] is state s's tuple (of ints,
     or of width-tuples); a virtual state's is its template's moved on."""
 
     __slots__ = ("offsets", "flat", "width", "virtual", "_is_virtual", "_tuples")
 
-    def __init__(self, offsets: list[int], flat: list[int], width: int, virtual: list[Virtual] = ()) -> None:
+    def __init__(self, offsets: Sequence[int], flat: Sequence[int], width: int, virtual: list[Virtual] = ()) -> None:
         self.offsets, self.flat, self.width, self.virtual = offsets, flat, width, list(virtual)
         # per state 1 where it is virtual: asked at a row's first read, where a walk of the spans cost a cold
         # first pass a tenth of its time
         self._is_virtual = bytearray(len(offsets) - 1)
         for first, stride, count, _, _, _ in self.virtual:
             self._is_virtual[first:first + count * stride] = b"\x01" * (count * stride)
-        # rows of tuples made once per state read: a configuration's expansion and closures read the same
-        # few states hundreds of times, and regrouping the flat ints at every read topped a cold mask's profile
-        self._tuples: dict[int, list] = {}
+        # rows made once per state read: a configuration's expansion and closures read the same few states
+        # hundreds of times, and regrouping the flat ints at every read topped a cold mask's profile. Tuples, not
+        # lists: the garbage collector untracks a tuple of ints (or of int tuples) at its first collection, where
+        # a kept list (thousands per cold pass, most of them empty) is walked by every collection it is young for
+        self._tuples: dict[int, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, s: int) -> list:
-        if self.width == 1 and not self._is_virtual[s]:
-            return self.flat[self.offsets[s]:self.offsets[s + 1]]
+    def __getitem__(self, s: int) -> tuple:
         row = self._tuples.get(s)
         if row is None:
             if self._is_virtual[s]:
                 src, shift, lo, hi = _source(self.virtual, s)
-                row = _moved(self[src], self.width, shift, lo, hi)
+                row = tuple(_moved(self[src], self.width, shift, lo, hi))
+            elif self.width == 1:
+                row = tuple(self.flat[self.offsets[s]:self.offsets[s + 1]])
             else:
                 a, b = self.offsets[s], self.offsets[s + 1]
-                row = list(zip(*[iter(self.flat[a:b])] * self.width))
+                row = tuple(zip(*[iter(self.flat[a:b])] * self.width))
             self._tuples[s] = row
         return row
 
     def __iter__(self):
         return (self[s] for s in range(len(self)))
+
+    def reader(self) -> Callable[[int], tuple | None]:
+        """A C-level s -> row for the rows read before, None where rows[s] must be asked: closures and expansions
+        read rows ~14k times in nested20's first pass, ~20 ms of its cProfile as calls of __getitem__."""
+        return self._tuples.get
+
+
+def row_reader(rows) -> Callable[[int], Sequence | None]:
+    """A C-level s -> row for any edge lists (the builder's plain lists, ListRows, PackedRows); None where rows[s]
+    must be asked instead."""
+    return rows.__getitem__ if isinstance(rows, list) else rows.reader()
 
 
 def has_edges(a, b) -> list[bool]:

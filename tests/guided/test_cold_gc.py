@@ -1,0 +1,43 @@
+"""What a cold pass leaves for the garbage collector: the automaton's byte rows and a packed grammar's edge rows
+are tuples it untracks, so collections during a new schema's first masks do not walk them again and again."""
+from __future__ import annotations
+
+import gc
+import pickle
+
+import pytest
+
+from rawserve.engine.guided.automaton import UNEXPANDED
+from rawserve.engine.guided.matcher import GrammarRuntime
+from rawserve.engine.guided.nfa import compile_grammar
+from rawserve.engine.guided.nfa_rows import PackedRows
+from rawserve.engine.guided.vocab import VocabIndex
+from tests.guided.test_lexemes import GRAMMARS, TEXTS, check_every_place, lexeme_vocab
+
+
+@pytest.fixture(scope="module")
+def vocab() -> VocabIndex:
+    tokens, specials = lexeme_vocab()
+    return VocabIndex(tokens, specials, len(tokens) + 3)
+
+
+@pytest.mark.parametrize("name", ["json_object", "schema"])
+def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
+    # through pickle, as the core gets its grammars from the compile workers (PackedRows)
+    compiled = pickle.loads(pickle.dumps(compile_grammar(GRAMMARS[name], name)))
+    runtime = GrammarRuntime(compiled, vocab)
+    assert check_every_place(runtime, vocab, TEXTS[name]) > 30  # the masks stay exact
+    # a collection untracks the tuples of ints it meets; one of edge tuples met before its edges, at the next
+    gc.collect()
+    gc.collect()
+    a = runtime.automaton
+    expanded = [row for row in a.next_byte if row is not UNEXPANDED]
+    assert len(expanded) > 30 and len(expanded) < a.num_configs  # unexpanded ones share one row
+    assert not any(gc.is_tracked(row) for row in a.next_byte)
+    edge_rows = [compiled.eps, compiled.byte_edges, compiled.token_edges, compiled.call_edges]
+    assert all(isinstance(rows, PackedRows) for rows in edge_rows)
+    # the flat ints stay arrays, whose traversal visits no item, not 10k-item lists
+    assert all(len(gc.get_referents(ints)) <= 1 for rows in edge_rows for ints in (rows.offsets, rows.flat))
+    read = [rows[s] for rows in edge_rows for s in rows._tuples]
+    assert len(read) > 100
+    assert not any(gc.is_tracked(row) for row in read)
