@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from rawserve.engine.guided.automaton import DEAD
-from rawserve.engine.guided.lexemes import _BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, string_lexer
+from rawserve.engine.guided.lexemes import _BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, string_lexer, \
+    walk_below
 from rawserve.engine.guided.token_mask import id_tensor
 
 # _SHIFTED_PAIRING: a place's pairing holds for its shifts along the run while every configuration paired keeps
@@ -85,46 +86,8 @@ class CountedTokens:
         hit = self._anchored.get(node)
         if hit is not None:
             return hit
-        node_byte, first_child, num_children, node_token = self._vocab.py_arrays()
         lexer = string_lexer()
-        rows, start, close = lexer.rows, lexer.start, lexer.close
-        inside: list[int] = []
-        counts: list[int] = []
-        children: list[dict[int, int]] = [{}]
-        tokens: list[list[int]] = [[]]
-        close_count: dict[int, int] = {}
-        work = [(j, start, 0) for j in range(first_child[node], first_child[node] + num_children[node])]
-        closed: list[tuple[int, int, int]] = []  # (trie node, close-trie node, characters before the quote)
-        while work:
-            j, state, begun = work.pop()
-            if state == start:
-                begun += 1
-            state = rows[state][node_byte[j]]
-            if state == DEAD:
-                continue
-            if state == close:
-                if node_token[j] >= 0:
-                    tokens[0].append(node_token[j])
-                    close_count[node_token[j]] = begun - 1
-                closed.extend((k, 0, begun - 1) for k in range(first_child[j], first_child[j] + num_children[j]))
-                continue
-            if node_token[j] >= 0:
-                inside.append(node_token[j])
-                counts.append(begun)
-            work.extend((k, state, begun) for k in range(first_child[j], first_child[j] + num_children[j]))
-        while closed:
-            j, at, begun = closed.pop()
-            byte = node_byte[j]
-            nxt = children[at].get(byte)
-            if nxt is None:
-                nxt = children[at][byte] = len(children)
-                children.append({})
-                tokens.append([])
-            if node_token[j] >= 0:
-                tokens[nxt].append(node_token[j])
-                close_count[node_token[j]] = begun
-            closed.extend((k, nxt, begun) for k in range(first_child[j], first_child[j] + num_children[j]))
-        hit = self._anchored[node] = (inside, counts, children, tokens, close_count)
+        hit = self._anchored[node] = walk_below(self._vocab, lexer, lexer.start, node)
         return hit
 
 

@@ -199,41 +199,58 @@ class StringLexeme:
         hit = self._anchored.get(node)
         if hit is not None or self.anchored_bytes > MAX_ANCHORED_BYTES:
             return hit
-        node_byte, first_child, num_children, node_token = self._vocab.py_arrays()
-        rows, close = self.lexer.rows, self.lexer.close
-        inside: list[int] = []
-        children: list[dict[int, int]] = [{}]
-        tokens: list[list[int]] = [[]]
-        work = [(j, self.state) for j in range(first_child[node], first_child[node] + num_children[node])]
-        closed: list[tuple[int, int]] = []  # (trie node, close-trie node) below a closing quote
-        while work:
-            j, state = work.pop()
-            state = rows[state][node_byte[j]]
-            if state == DEAD:
-                continue
-            if state == close:
-                if node_token[j] >= 0:
-                    tokens[0].append(node_token[j])
-                closed.extend((k, 0) for k in range(first_child[j], first_child[j] + num_children[j]))
-                continue
-            if node_token[j] >= 0:
-                inside.append(node_token[j])
-            work.extend((k, state) for k in range(first_child[j], first_child[j] + num_children[j]))
-        while closed:
-            j, at = closed.pop()
-            byte = node_byte[j]
-            nxt = children[at].get(byte)
-            if nxt is None:
-                nxt = children[at][byte] = len(children)
-                children.append({})
-                tokens.append([])
-            if node_token[j] >= 0:
-                tokens[nxt].append(node_token[j])
-            closed.extend((k, nxt) for k in range(first_child[j], first_child[j] + num_children[j]))
+        inside, _, children, tokens, _ = walk_below(self._vocab, self.lexer, self.state, node)
         result = (inside, children, tokens)
         self._anchored[node] = result
         self.anchored_bytes += 8 * len(inside) + 120 * len(children) + 8 * sum(map(len, tokens))
         return result
+
+
+def walk_below(vocab, lexer, state: int, node: int) -> tuple[list[int], list[int], list[dict[int, int]],
+                                                              list[list[int]], dict[int, int]]:
+    """The tokens below trie node `node`, read from lexer state `state` there, by a Python walk of the subtree:
+    (the ids that stay inside the string, the characters each begins, the close trie's children and tokens as
+    StringLexeme.close_children/close_tokens, and per close token the characters before its closing quote).
+    A character is counted where the walk leaves the lexer's start, so the counts mean something from the start."""
+    node_byte, first_child, num_children, node_token = vocab.py_arrays()
+    rows, start, close = lexer.rows, lexer.start, lexer.close
+    inside: list[int] = []
+    counts: list[int] = []
+    children: list[dict[int, int]] = [{}]
+    tokens: list[list[int]] = [[]]
+    close_count: dict[int, int] = {}
+    work = [(j, state, 0) for j in range(first_child[node], first_child[node] + num_children[node])]
+    closed: list[tuple[int, int, int]] = []  # (trie node, close-trie node, characters before the quote)
+    while work:
+        j, state, begun = work.pop()
+        if state == start:
+            begun += 1
+        state = rows[state][node_byte[j]]
+        if state == DEAD:
+            continue
+        if state == close:
+            if node_token[j] >= 0:
+                tokens[0].append(node_token[j])
+                close_count[node_token[j]] = begun - 1
+            closed.extend((k, 0, begun - 1) for k in range(first_child[j], first_child[j] + num_children[j]))
+            continue
+        if node_token[j] >= 0:
+            inside.append(node_token[j])
+            counts.append(begun)
+        work.extend((k, state, begun) for k in range(first_child[j], first_child[j] + num_children[j]))
+    while closed:
+        j, at, begun = closed.pop()
+        byte = node_byte[j]
+        nxt = children[at].get(byte)
+        if nxt is None:
+            nxt = children[at][byte] = len(children)
+            children.append({})
+            tokens.append([])
+        if node_token[j] >= 0:
+            tokens[nxt].append(node_token[j])
+            close_count[node_token[j]] = begun
+        closed.extend((k, nxt, begun) for k in range(first_child[j], first_child[j] + num_children[j]))
+    return inside, counts, children, tokens, close_count
 
 
 def string_lexeme(vocab, state: int | None = None) -> StringLexeme:
