@@ -15,6 +15,11 @@ import torch.nn.functional as F
 
 # Tokens per chunk of the chunked delta rule. bench/qwen35_forward.py measures 32/64/128 on the 0.8B shapes.
 CHUNK_SIZE = 64
+# Tokens of a prefill group the chunked rule takes at once (whole rounds: a round is never split). Its per-chunk
+# intermediates (the chunked q, k, v, the [C, C] decays, system, inverse and scores, the state reads) are about
+# 80 KB a token on Qwen3.5-0.8B in float32: 650 MiB over an 8,192-token step, 85 MiB a window of 1,024.
+# 0: the whole group at once.
+RULE_WINDOW_TOKENS = 1024
 
 
 @dataclass(slots=True)
@@ -208,7 +213,9 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
             conv_state.index_copy_(0, plan.slots, torch.cat((saved[:, :, 1:], x.unsqueeze(-1)), -1))
         return F.silu(out, inplace=True)
     saved = saved.transpose(1, 2).reshape(num_seqs * keep, -1).to(x.dtype)  # [S * (K-1), C]
-    history = torch.cat((saved, x)).index_select(0, plan.history_index)  # [S * (K-1) + T, C]
+    history = torch.cat((saved, x))  # [S * (K-1) + T, C]
+    if num_seqs > 1:  # (one sequence's saved inputs already lie before its new ones: the index is the identity)
+        history = history.index_select(0, plan.history_index)
     new_state = history.index_select(0, plan.conv_state_index).view(num_seqs, keep, -1).transpose(1, 2)
     conv_state.index_copy_(0, plan.slots, new_state.to(conv_state.dtype))
     history = history.float()
@@ -236,11 +243,13 @@ def exp_normal(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tenso
     return x.clamp(floor, 0.0).exp_().masked_fill_(drop, 0.0)
 
 
-def l2_normalize(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def l2_normalize(x: torch.Tensor, scale: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
     """x / sqrt(sum(x^2) + 1e-6) over the last dim, as flash-linear-attention (and transformers) compute it;
-    times `scale` (broadcast against x's [..., 1] norms: a factor per head) when given."""
+    times `scale` (broadcast against x's [..., 1] norms: a factor per head) when given. inplace: into x (the
+    same values), where nothing reads x's old values after."""
     factor = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-    return x * (factor if scale is None else factor * scale)
+    factor = factor if scale is None else factor * scale
+    return x.mul_(factor) if inplace else x * factor
 
 
 def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -298,7 +307,8 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, rounds: list[tuple[int, int]], zero_start: bool = False) -> torch.Tensor:
+                 beta: torch.Tensor, rounds: list[tuple[int, int]], zero_start: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule over whole chunks (WY form: a chunk's writes solved at once from a unit lower
     triangular system, then one state update per chunk), in place on `states` [P, H, dk, dv] float32.
 
@@ -313,6 +323,7 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     zero_start: every sequence starts from S0 = 0 (fresh prompts), so `states` is only written: the first round
     skips the read of S0 (its largest product: [2C, dk] x [dk, dv] per chunk and head), the decay and the adds,
     and writes its outputs and states straight from two products (the same values: x - 0 and 0 + x are x).
+    out: where the outputs go ([N, H, C, dv], contiguous), else a new tensor.
     """
     num_chunks, heads, size, dk = k.shape
     dv = v.shape[-1]
@@ -333,7 +344,7 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # [N * H, dk, C] as a transposed view: the products read it transposed in place, no copy
     k_to_end = (k * exp_normal(cum[..., -1:] - cum).unsqueeze(-1)).view(-1, size, dk).transpose(1, 2)
     chunk_decay = cum_exp[..., -1, None, None]  # [N, H, 1, 1]
-    out = torch.empty_like(v)
+    out = torch.empty_like(v) if out is None else out
     for first, active in rounds:
         chunk = slice(first, first + active)
         s0 = states[:active]  # a contiguous prefix: updated in place below, no state-sized temporaries
@@ -374,12 +385,30 @@ def chunk_rows(group: PrefillGroup, per: int, heads: int) -> torch.Tensor:
     return rows
 
 
-def to_chunks(x: torch.Tensor, group: PrefillGroup) -> torch.Tensor:
-    """[T, H, d] -> the group's [N, H, C, d], contiguous, in one gather (no padded copy of x, no transposing copy
-    after)."""
+def to_chunks(x: torch.Tensor, group: PrefillGroup, chunks: slice = slice(None)) -> torch.Tensor:
+    """[T, H, d] -> the group's [N, H, C, d] (or only the chunks `chunks`: one window of the rule), contiguous,
+    in one gather (no padded copy of x, no transposing copy after)."""
     flat, per = head_rows(x)
     heads, d = x.shape[1], x.shape[2]
-    return flat.index_select(0, chunk_rows(group, per, heads)).view(-1, heads, group.chunk_size, d)
+    rows = chunk_rows(group, per, heads).view(-1, heads * group.chunk_size)[chunks].view(-1)
+    return flat.index_select(0, rows).view(-1, heads, group.chunk_size, d)
+
+
+def rule_windows(rounds: list[tuple[int, int]], chunk_size: int, window_tokens: int
+                 ) -> list[tuple[slice, list[tuple[int, int]]]]:
+    """A group's rounds cut into runs of whole rounds of about `window_tokens` tokens each (0: one run):
+    (the run's chunks, its rounds with their first chunk counted from the run's)."""
+    windows: list[tuple[slice, list[tuple[int, int]]]] = []
+    start, run = 0, []
+    for first, active in rounds:
+        run.append((first - start, active))
+        end = first + active
+        if window_tokens and (end - start) * chunk_size >= window_tokens:
+            windows.append((slice(start, end), run))
+            start, run = end, []
+    if run:
+        windows.append((slice(start, rounds[-1][0] + rounds[-1][1]), run))
+    return windows
 
 
 def from_chunks(o: torch.Tensor, group: PrefillGroup) -> torch.Tensor:
@@ -417,8 +446,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             states = recurrent.new_empty((group.slots.numel(), *recurrent.shape[1:]))
         else:
             states = pool.index_select(0, group.slots).view(-1, *recurrent.shape[1:])
-        o = chunked_rule(states, to_chunks(q, group), to_chunks(k, group), to_chunks(v, group), gc, bc, group.rounds,
-                         zero_start=group.zero_start)
+        # A window of rounds at a time (RULE_WINDOW_TOKENS): its chunks gathered, solved and scanned, then the next
+        # window's from the states it left; the values are the same, the intermediates a window's, not the step's.
+        o = v.new_empty((gc.shape[0], *gc.shape[1:], v.shape[-1]))  # [N, H, C, dv]
+        for chunks, rounds in rule_windows(group.rounds, group.chunk_size, RULE_WINDOW_TOKENS):
+            chunked_rule(states, to_chunks(q, group, chunks), to_chunks(k, group, chunks), to_chunks(v, group, chunks),
+                         gc[chunks], bc[chunks], rounds, zero_start=group.zero_start and chunks.start == 0,
+                         out=o[chunks])
         pool.index_copy_(0, group.slots, states.view(states.shape[0], -1))
         out.index_copy_(0, group.tokens, from_chunks(o, group))
     if plan.decode_span is not None:  # in place on the run of slots, rows laid out in slot order
