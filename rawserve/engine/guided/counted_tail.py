@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from rawserve.engine.guided.automaton import DEAD
-from rawserve.engine.guided.lexemes import _BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, string_lexer, \
-    walk_below
+from rawserve.engine.guided.lexemes import _BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, \
+    string_lexer, subtree_sets
 from rawserve.engine.guided.token_mask import id_tensor
 
 # _SHIFTED_PAIRING: a place's pairing holds for its shifts along the run while every configuration paired keeps
@@ -59,7 +59,8 @@ class CountedTokens:
             close_count[vocab.dup_ids] = close_count[vocab.dup_canon]
         self._vocab = vocab
         # per trie node of an opening quote (`"`, ` "`): the tokens below it as StringLexeme.anchored has them, with
-        # the characters each begins after the quote (inside) or before the closing one (close), for walk_below
+        # the characters each begins after the quote (inside) or before the closing one (close), for
+        # CountedTail.walk_below
         self._anchored: dict[int, tuple[list[int], list[int], list[dict[int, int]], list[list[int]], dict[int, int]]]
         self._anchored = {}
         ids = (count >= 0).nonzero().squeeze(1)
@@ -87,7 +88,7 @@ class CountedTokens:
         if hit is not None:
             return hit
         lexer = string_lexer()
-        hit = self._anchored[node] = walk_below(self._vocab, lexer, lexer.start, node)
+        hit = self._anchored[node] = subtree_sets(self._vocab, lexer, lexer.start, node)
         return hit
 
 
@@ -146,9 +147,10 @@ class CountedTail:
         lexer = string_lexer()
         vocab = self.walk.vocab
         certain, uncertain = self.walk.close_walk(lexer.start, close)
-        close_count = counted_tokens(vocab).close_count
+        counted = counted_tokens(vocab)
+        close_count = counted.close_count
         self.num_walks += 1
-        return (counted_tokens(vocab).inside_upto(vocab, left),
+        return (counted.inside_upto(vocab, left),
                 id_tensor([t for t in certain if close_count[t] <= left]),
                 [t for t in uncertain if close_count[t] <= left])
 

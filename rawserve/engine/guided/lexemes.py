@@ -199,14 +199,14 @@ class StringLexeme:
         hit = self._anchored.get(node)
         if hit is not None or self.anchored_bytes > MAX_ANCHORED_BYTES:
             return hit
-        inside, _, children, tokens, _ = walk_below(self._vocab, self.lexer, self.state, node)
+        inside, _, children, tokens, _ = subtree_sets(self._vocab, self.lexer, self.state, node)
         result = (inside, children, tokens)
         self._anchored[node] = result
         self.anchored_bytes += 8 * len(inside) + 120 * len(children) + 8 * sum(map(len, tokens))
         return result
 
 
-def walk_below(vocab, lexer, state: int, node: int) -> tuple[list[int], list[int], list[dict[int, int]],
+def subtree_sets(vocab, lexer, state: int, node: int) -> tuple[list[int], list[int], list[dict[int, int]],
                                                               list[list[int]], dict[int, int]]:
     """The tokens below trie node `node`, read from lexer state `state` there, by a Python walk of the subtree:
     (the ids that stay inside the string, the characters each begins, the close trie's children and tokens as

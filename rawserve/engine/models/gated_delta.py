@@ -54,7 +54,8 @@ class PrefillGroup:
     chunk_pads: torch.Tensor | None  # [num_chunks, 1, chunk_size] bool: pad positions (None: none)
     tokens: torch.Tensor  # [num_group_tokens] the group's token rows
     positions: torch.Tensor  # [num_group_tokens] each one's chunk position
-    # (rows per token, heads) -> flat row indices of the chunked layout (chunk_rows): every layer has the same
+    # (rows per token, heads) -> flat row indices of the chunked layout (chunk_rows), and (-1, heads) -> the rows
+    # from_chunks reads back: every layer has the same
     gathers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
@@ -266,7 +267,7 @@ def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dv = v.shape[-1]
     flat = state.view(batch * heads, dk, dv)
     read = torch.bmm(torch.stack((q, k), 2).view(batch * heads, 2, dk), flat).view(batch, heads, 2, dv)
-    decay = exp_normal(g).unsqueeze(-1)  # [B, H, 1]
+    decay = g.exp().unsqueeze(-1)  # [B, H, 1]: one step's decay, far from underflow (exp_normal is for a chunk's sums)
     delta = torch.addcmul(v, decay, read[:, :, 1], value=-1).mul_(beta.unsqueeze(-1))
     out = torch.addcmul(decay * read[:, :, 0], torch.linalg.vecdot(q, k).unsqueeze(-1), delta)
     state.mul_(decay.unsqueeze(-1))
