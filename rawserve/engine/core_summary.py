@@ -33,5 +33,5 @@ def describe_core(core: Any) -> dict:
         out["block_size"] = core.block_size
     plan = getattr(runner, "kv_plan", None)
     if plan is not None:
-        out["kv_cache_bytes"], out["kv_cache_reason"] = plan.num_bytes, plan.reason
+        out["kv_cache_bytes"], out["kv_cache_reason"] = plan.kv_bytes, plan.reason
     return out

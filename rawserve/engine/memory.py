@@ -161,6 +161,11 @@ class KVPlan:
     num_saved_states: int = 0  # the prefix cache's saved states (state_cache.StateCacheManager)
     state_bytes: int = 0  # one slot's bytes
 
+    @property
+    def kv_bytes(self) -> int:
+        """The KV blocks' bytes alone, without the state slots (the startup line's figure; its reason adds them)."""
+        return self.num_bytes - (self.num_state_slots + self.num_saved_states) * self.state_bytes
+
 
 def kv_block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, element_bytes: int) -> int:
     """Bytes of one KV block over every layer, K and V, at the KV cache's storage dtype (--kv-cache-dtype:

@@ -274,7 +274,7 @@ class ModelRunner:
         self._rss_at_start = memory.rss_bytes()  # what idle_cached_blocks measures against
         log.info("model %s: %s on %s, KV cache %d tokens (%d blocks of %d, %s, %s): %s; %s attention",
                  config.model_dir, self.dtype, self.device, self.num_blocks * self.block_size, self.num_blocks,
-                 self.block_size, memory.mib(self.kv_plan.num_bytes), self.kv_dtype_name, self.kv_plan.reason,
+                 self.block_size, memory.mib(self.kv_plan.kv_bytes), self.kv_dtype_name, self.kv_plan.reason,
                  config.attention_backend)
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs, self.max_model_len,

@@ -246,7 +246,7 @@ def test_plan_puts_states_and_kv_in_one_budget():
                   room=None, margin_bytes=0, share=0.8)
     roomy = memory.plan_kv_cache(memory_gb=1.0, state_bytes=10_000, save_states=True, **common)
     assert (roomy.num_state_slots, roomy.num_saved_states, roomy.num_blocks) == (4, 4, 40)
-    assert roomy.num_bytes == 40 * 1000 + 8 * 10_000
+    assert roomy.num_bytes == 40 * 1000 + 8 * 10_000 and roomy.kv_bytes == 40 * 1000  # the startup line's KV
     tight = memory.plan_kv_cache(memory_gb=60_000 / (1 << 30), state_bytes=10_000, save_states=True, **common)
     assert (tight.num_state_slots, tight.num_saved_states) == (2, 1)  # at most half the budget: 3 slots
     assert tight.num_blocks == 30 and tight.num_bytes <= 60_000
