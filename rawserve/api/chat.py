@@ -123,7 +123,8 @@ def render_prompt(ctx: ServingContext, req: ChatRequest, images: list[ImagePart]
     """-> (prompt text, whether tool calls are parsed). Each image renders as the template's one placeholder;
     its part is appended to `images` when given."""
     if not req.messages:
-        raise APIError(400, "messages must be a non-empty array.", param="messages")
+        raise APIError(400, "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an "
+                            "empty array instead.", param="messages", code="empty_array")
     if ctx.chat_template is None:
         raise APIError(400, "This model has no chat template; use /v1/completions or start the server with "
                             "--chat-template.", param="messages")

@@ -5,7 +5,7 @@ Unknown fields are ignored by parse(), since clients send fields like `user` a s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rawserve.http.schema import FieldError
@@ -142,7 +142,7 @@ class Tool:
 
 @dataclass(slots=True)
 class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] = field(kw_only=True)  # required, as OpenAI's is, after SamplingFields' defaults
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -159,6 +159,22 @@ def test_content_that_openai_accepts_is_accepted(server, message):
     assert status == 200, body
 
 
+@pytest.mark.parametrize("messages, code, says", [
+    (None, "missing_required_parameter", "Missing required parameter: 'messages'."),
+    ([], "empty_array", "Invalid 'messages': empty array."),
+    ("hi", "invalid_type", "Invalid type for 'messages': expected an array"),
+])
+def test_messages_missing_empty_or_not_an_array_is_openais_400(server, messages, code, says):
+    body = {key: value for key, value in CHAT.items() if key != "messages"}
+    if messages is not None:
+        body["messages"] = messages
+    status, body = post(server, "/v1/chat/completions", body)
+    assert status == 400, body
+    error = body["error"]
+    assert (error["param"], error["code"], error["type"]) == ("messages", code, "invalid_request_error"), error
+    assert error["message"].startswith(says) and "or null" not in error["message"], error
+
+
 def test_a_responses_function_call_item_still_becomes_an_assistant_turn(server):
     items = [{"role": "user", "content": "weather?"},
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
