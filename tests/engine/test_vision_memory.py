@@ -21,6 +21,7 @@ from rawserve.engine.mm_inputs import (ImageInput, ImageTooOdd, MultiModalInputs
 from rawserve.engine.model_runner import weight_bytes
 from rawserve.engine.models.vision import VisionTower, load_vision_tower
 from rawserve.engine.multimodal.budget import tower_step_bytes, vision_weight_bytes
+from rawserve.engine.multimodal import encode_job
 from rawserve.engine.multimodal.encode_job import EncodeJob, encode_flops
 from rawserve.engine.multimodal.manager import MultiModalManager
 from rawserve.engine.multimodal.prefix_keys import image_key
@@ -90,7 +91,7 @@ def test_the_worst_image_is_in_the_up_front_check(checkpoint, monkeypatch):
     small = tower_step_bytes(cfg.vision, pre, torch.float32)
     large_pre = {**TINY_PREPROCESSOR, "size": {"shortest_edge": 64 * 64, "longest_edge": 4096 * 4096}}
     large = tower_step_bytes(cfg.vision, dataclasses.replace(pre, max_pixels=4096 * 4096), torch.float32)
-    assert large > small + (512 << 20)
+    assert large > small + (256 << 20)
     monkeypatch.setattr(memory, "headroom", lambda: memory.Headroom(large, "test's room"))
     config = dict(model_dir=str(checkpoint), device="cpu", dtype="float32", max_model_len=256, max_num_seqs=4,
                   max_num_batched_tokens=256, encoder_cache_mb=0)
@@ -103,38 +104,51 @@ def test_the_worst_image_is_in_the_up_front_check(checkpoint, monkeypatch):
         (checkpoint / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR))
 
 
-def test_a_forward_over_the_largest_image_stays_under_its_estimate():
-    """Peak RSS of preprocessing and encoding the largest image (1920x1080 here) against tower_step_bytes, with
-    the heap kept as the core keeps it. The estimate leaves out nothing that grows with the image, so a change
-    that holds more (attention falling back to a [heads, patches, patches] score matrix: 530 MB here) fails."""
+def encoding_peak(tower: VisionTower, picture: ImageInput, pre: PreprocessConfig, step_flops: float) -> int:
+    """Peak RSS rise of preprocessing `picture` and encoding it as the engine does (EncodeJob advanced a step's
+    budget at a time), with the heap kept as the core keeps it."""
     keep_freed_heap()
-    pre = dataclasses.replace(PreprocessConfig(), min_pixels=65536, max_pixels=1920 * 1088)
-    tower = random_tower()
-    picture = image(1920, 1080, pre)
-    assert picture.resized_width * picture.resized_height // 256 == pre.max_patches  # the largest image
-    with torch.inference_mode():
-        small = image(64, 64, pre)
-        patches, (_, gh, gw) = pixel_patches(small, pre)
-        tower(patches, [(gh, gw)])  # warm: kernels and thread pools outside the measure
-    release_free_heap()  # what earlier tests left in the kept heap could hold this forward without a peak
+    small = image(64, 64, pre)
+    patches, (_, gh, gw) = pixel_patches(small, pre)
+    job = EncodeJob(tower, patches, (gh, gw))  # warm: kernels and thread pools outside the measure
+    job.advance(job.remaining_flops)
+    del patches, job
+    release_free_heap()  # what earlier tests left in the kept heap could hold this encoding without a peak
     if not memory.reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs: the peak cannot be measured")
     before = memory.rss_bytes()
-    with torch.inference_mode():
-        patches, (_, gh, gw) = pixel_patches(picture, pre)
-        tower(patches, [(gh, gw)])
-    peak = memory.rss_bytes("VmHWM") - before
-    assert 0 < peak <= tower_step_bytes(TOWER, pre, torch.float32)
-    del patches
-    release_free_heap()  # else the second forward may run in the first one's kept heap and show no peak at all
-    memory.reset_peak_rss()
-    before = memory.rss_bytes()
     patches, (_, gh, gw) = pixel_patches(picture, pre)
-    job = EncodeJob(tower, patches, (gh, gw))  # the engine's path: the same forward kept resumable, run whole
+    job = EncodeJob(tower, patches, (gh, gw))
     del patches
-    job.advance(job.remaining_flops)
-    peak = memory.rss_bytes("VmHWM") - before
-    assert job.is_done and 0 < peak <= tower_step_bytes(TOWER, pre, torch.float32)
+    while not job.advance(step_flops or job.remaining_flops):
+        pass
+    return memory.rss_bytes("VmHWM") - before
+
+
+@pytest.mark.parametrize("step_flops", [0.0, 2e9])  # each pass whole (still sliced), and a step's budget at a time
+def test_encoding_the_largest_image_stays_under_its_estimate(step_flops):
+    """The estimate leaves out nothing that grows with the image, so a change that holds more (attention falling
+    back to a [heads, patches, patches] score matrix: 530 MB here) fails."""
+    pre = dataclasses.replace(PreprocessConfig(), min_pixels=65536, max_pixels=1920 * 1088)
+    picture = image(1920, 1080, pre)
+    assert picture.resized_width * picture.resized_height // 256 == pre.max_patches  # the largest image
+    peak = encoding_peak(random_tower(), picture, pre, step_flops)
+    assert 0 < peak <= tower_step_bytes(TOWER, pre, torch.float32)
+
+
+def test_a_pass_runs_a_slice_of_rows_at_a_time_whatever_the_budget(monkeypatch):
+    """At the 0.8B tower's width one block's transients are 108 KB a row: a whole pass over 4,096 rows would hold
+    about 420 MiB of them, far more than the estimate's 512-row slice allows, so the cap's loss fails here."""
+    monkeypatch.setattr(encode_job, "SLICE_ROWS", 512)
+    wide = dataclasses.replace(TOWER, depth=1, hidden_size=768, intermediate_size=4304, num_heads=16)
+    tower = VisionTower(wide, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for param in tower.parameters():
+            param.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
+    pre = dataclasses.replace(PreprocessConfig(), min_pixels=65536, max_pixels=1024 * 1024)
+    estimate = tower_step_bytes(wide, pre, torch.float32)
+    assert pre.max_patches == 4096 and estimate < 4096 * (16 * 768 + 8 * 768 + 2 * 4304) * 4 // 2
+    assert 0 < encoding_peak(tower.eval(), image(1024, 1024, pre), pre, 0.0) <= estimate
 
 
 def test_the_manager_refuses_a_larger_image_and_encodes_one_image_at_a_time(monkeypatch):

@@ -198,9 +198,15 @@ class VisionTower(nn.Module):
             weights.scatter_add_(1, hi[:, None], frac[:, None])
             return weights
 
-        table = self.pos_embed.float().view(self.side, -1)  # [side, side * hidden]
-        rows_first = (axis(grid_h) @ table).view(grid_h, self.side, -1)  # [gh, side, hidden]
-        pos = torch.matmul(axis(grid_w), rows_first)  # [gh, gw, hidden]
+        table = self.pos_embed.float().view(self.side, self.side, -1)  # [side rows, side columns, hidden]
+        # The shorter axis first: its [short, side, hidden] intermediate is at most sqrt(patches) rows of the table
+        # (a 200:1 image resampled rows first would hold 2.6x the position table it makes)
+        if grid_h <= grid_w:
+            rows_first = (axis(grid_h) @ table.view(self.side, -1)).view(grid_h, self.side, -1)  # [gh, side, hidden]
+            pos = torch.matmul(axis(grid_w), rows_first)  # [gh, gw, hidden]
+        else:
+            cols_first = (axis(grid_w) @ table.transpose(0, 1).reshape(self.side, -1)).view(grid_w, self.side, -1)
+            pos = torch.matmul(axis(grid_h), cols_first).transpose(0, 1)  # [gh, gw, hidden]
         rows = torch.arange(grid_h, device=device).view(grid_h // m, m, 1, 1).expand(-1, -1, grid_w // m, m)
         cols = torch.arange(grid_w, device=device).view(1, 1, grid_w // m, m).expand(grid_h // m, m, -1, -1)
         rows, cols = rows.permute(0, 2, 1, 3).reshape(-1), cols.permute(0, 2, 1, 3).reshape(-1)  # merge-block order

@@ -10,6 +10,12 @@ from rawserve.engine.models.vision import VisionTower
 from rawserve.engine.multimodal.encoder_cache import EncodedImage
 
 
+# A slice's rows at most, whatever the step's budget: a pass's transients (a block's allocations for its rows) are
+# bounded by this, not by the image, so the memory plan counts the image's held activations plus one slice of
+# transients (budget.tower_step_bytes). 4,096 rows keep the slice's products large enough to run at full speed.
+SLICE_ROWS = 4096
+
+
 def _row_flops(cfg: VisionConfig, num_rows: int) -> tuple[float, float, float, float]:
     """FLOPs one patch row costs: (the patch embedding; a block's pass A: qkv; its pass B: attention against all
     `num_rows` rows, projection and MLP; one merger, per patch row of its merge group)."""
@@ -34,8 +40,9 @@ class EncodeJob:
     a DeepStack block feeds its merger, and of the last block the main merger, slice by slice: a slice is whole
     merge groups (spatial_merge_size ** 2 rows), which a merger reads as one.
 
-    It holds x [N, hidden], q, k, v [N, heads, D] and the outputs: less than a block of the one-shot forward, which
-    the memory plan counts (budget.tower_step_bytes). Built and advanced in inference mode, as the tower runs."""
+    It holds x [N, hidden], q, k, v [N, heads, D], the rotary tables and the outputs, and a slice's transients
+    (SLICE_ROWS rows at most): what the memory plan counts (budget.tower_step_bytes). Built and advanced in
+    inference mode, as the tower runs."""
 
     @torch.inference_mode()
     def __init__(self, tower: VisionTower, patches: torch.Tensor, grid: tuple[int, int]) -> None:
@@ -44,6 +51,7 @@ class EncodeJob:
         self.tower = tower
         self.num_rows = grid[0] * grid[1]
         self.group = cfg.spatial_merge_size ** 2
+        self.slice_rows = max(self.group, SLICE_ROWS // self.group * self.group)  # whole merge groups
         embed, self._qkv_flops, self._attend_flops, self._merger_flops = _row_flops(cfg, self.num_rows)
         self.x, self.cos, self.sin = tower.embed(patches, [grid])  # [N, hidden], [N, 1, D] x 2
         self.flops_spent = self.num_rows * embed
@@ -89,7 +97,7 @@ class EncodeJob:
                 if not first:
                     break
                 rows = self.group
-            rows = min(rows, self.num_rows - self.row)
+            rows = min(rows, self.num_rows - self.row, self.slice_rows)
             self._run(self.row, self.row + rows)
             self.flops_spent += rows * per_row
             self.row += rows

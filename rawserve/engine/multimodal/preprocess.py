@@ -122,11 +122,14 @@ def pixel_patches(image: ImageInput, cfg: PreprocessConfig) -> tuple[torch.Tenso
     height, width = image.resized_height, image.resized_width
     if height % (p * m) or width % (p * m):
         raise ValueError(f"image resized to {width}x{height}: both sides must be multiples of {p * m}")
-    x = resize_rgb(image).float()  # [3, H, W]
-    mean = torch.tensor(cfg.image_mean).view(3, 1, 1)
-    scale = torch.tensor(cfg.image_std).view(3, 1, 1)
-    x = (x * cfg.rescale_factor - mean) / scale
     gh, gw = height // p, width // p
-    x = x.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [bh, bw, m, m, 3, p, p]
-    x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # the frame twice in time
-    return x.reshape(gh * gw, 3 * t * p * p), (1, gh, gw)
+    # Written straight into the patches, normalised there in place: the float32 pixels exist once (in the first
+    # frame), not as an image and its temporaries beside the patches (budget.tower_step_bytes counts this)
+    patches = torch.empty(gh // m, gw // m, m, m, 3, t, p, p)
+    frame = patches[:, :, :, :, :, 0]  # [bh, bw, m, m, 3, p, p]
+    frame.copy_(resize_rgb(image).view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6))
+    frame.mul_(cfg.rescale_factor).sub_(torch.tensor(cfg.image_mean).view(3, 1, 1)).div_(
+        torch.tensor(cfg.image_std).view(3, 1, 1))
+    for i in range(1, t):  # the frame repeated in time
+        patches[:, :, :, :, :, i] = frame
+    return patches.view(gh * gw, 3 * t * p * p), (1, gh, gw)
