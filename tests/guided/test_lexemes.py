@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rawserve.engine.guided.automaton import DEAD
+from rawserve.engine.guided.automaton import DEAD, UNEXPANDED
 from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
-from rawserve.engine.guided.json_strings import CHAR, STRING
-from rawserve.engine.guided.lexemes import SHIFT_SPARE, StringLexeme, string_lexer
+from rawserve.engine.guided.json_strings import CHAR, STRING, STRING_BODY
+from rawserve.engine.guided.counted_tail import counted_tokens
+from rawserve.engine.guided.lexemes import (SHIFT_SPARE, StringLexeme, opening_quotes, prepare_string_lexemes,
+                                            string_lexeme, string_lexer)
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.vocab import VocabIndex
@@ -226,3 +228,86 @@ def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_plac
                 assert shifted == a.step_bytes(cid, data), (cid, data)
                 num_shifted += 1
     assert num_shifted > 100
+
+
+def _plain_strings_schema(num: int) -> dict:
+    """An object of `num` plain string properties, the last one inside a nested object and an array."""
+    props = {f"p{i}": {"type": "string"} for i in range(num - 1)}
+    props["deep"] = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "string"}}},
+                     "required": ["xs"], "additionalProperties": False}
+    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+
+
+def test_a_schemas_plain_strings_share_one_body_and_one_pairing(vocab):
+    """Every plain string of a schema calls one body rule (json_strings.STRING_BODY), so the string lexeme's
+    pairing is proven once for the schema, not once per property: six properties' strings cost the pairings of
+    two. Masks stay exact inside and around each of them (the quote steps from each string's own stack)."""
+    proven = []
+    for num in (2, 6):
+        grammar = schema_to_grammar(_plain_strings_schema(num))
+        assert [node for node in grammar.rules.values() if node == STRING_BODY] == [STRING_BODY]
+        runtime = GrammarRuntime(compile_grammar(grammar, f"plain{num}"), vocab)
+        values = ", ".join(f'"p{i}": "v{i}\\"é"' for i in range(num - 1))
+        check_every_place(runtime, vocab, "{" + values + ', "deep": {"xs": ["a", "\\u00e9"]}}')
+        lexeme = runtime._lexeme
+        proven.append((lexeme.num_proven, sum(1 for m in lexeme._matched.values() if m is not None)))
+    (few_proven, few_matched), (many_proven, many_matched) = proven
+    assert many_matched > few_matched and many_proven == few_proven, proven
+
+
+def test_a_string_on_a_stack_is_matched_off_its_cuts_row(vocab):
+    """A configuration inside a called string (json_object's, at any depth) is matched on its cut's row, shared by
+    every such string: its own 256 transitions, a dozen configurations nothing else reads, are never built."""
+    runtime = GrammarRuntime(compile_grammar(json_object_grammar(), "cut_row"), vocab)
+    check_every_place(runtime, vocab, '{"a": {"b": ["x", {"c": "y\\n"}]}}')
+    a = runtime.automaton
+    on_stacks = [cid for cid, matched in runtime._lexeme._matched.items()
+                 if matched is not None and a.truncate(cid, 0) != cid]
+    assert len(on_stacks) >= 4
+    assert all(a.next_byte[cid][0] < 0 for cid in on_stacks)  # not expanded
+
+
+def test_the_sets_below_opening_quotes_are_read_at_start():
+    """prepare_string_lexemes reads the sets below the opening quotes tokens begin with (`"`, ` "`, `{"`), so a
+    first request's narrow walk takes them without walking a subtree; counted strings read the same ones."""
+    tokens, specials = lexeme_vocab()
+    fresh = VocabIndex(tokens, specials, len(tokens) + 3)  # nothing read below a quote yet
+    prepare_string_lexemes(fresh)
+    start = string_lexeme(fresh)
+    node_byte = fresh.py_arrays()[0]
+    quotes = opening_quotes(fresh)
+    assert len(quotes) >= 3 and all(node_byte[q] == 0x22 for q in quotes)
+    assert set(start._subtrees) == set(quotes)
+    read = dict(start._subtrees)
+    runtime = GrammarRuntime(compile_grammar(GRAMMARS["schema"], "quotes_at_start"), fresh)
+    check_every_place(runtime, fresh, TEXTS["schema"])
+    assert runtime._lexeme.num_below >= 1 and runtime._tail.num_below >= 1
+    assert all(start._subtrees[q] is read[q] for q in quotes)  # taken as read at start, not walked again
+    assert all(counted_tokens(fresh).anchored(q) is read[q] for q in quotes)  # one walk for both uses
+
+
+def test_pairings_read_runs_without_building_rows(vocab):
+    """A counted string's pairings with the lexer read the configurations inside a character run by run
+    (Automaton.run_steps), building none of their rows; what a run steps to is what the row, once built, holds
+    at every byte of it, and a run an edge cuts is refused (the row is read then)."""
+    grammar = Grammar({"root": seq(lit('{"a": "'), Repeat(CHAR, 0, 6), lit('"}'))})
+    runtime = GrammarRuntime(compile_grammar(grammar, "run_steps"), vocab)
+    check_every_place(runtime, vocab, '{"a": "ab\\u00e9中!"}')
+    a = runtime.automaton
+    unbuilt = [c for c in range(1, a.num_configs) if a.next_byte[c][0] < 0]
+    assert len(unbuilt) >= 10  # paired, walked past, never expanded
+    lexer = string_lexer()
+    num_read = num_refused = 0
+    for c in unbuilt:
+        for state in range(1, lexer.num_states):
+            segments = lexer.segments[state]
+            nexts = a.run_steps(c, segments)
+            if nexts is None:
+                num_refused += 1
+                continue
+            num_read += 1
+            assert a.next_byte[c][0] < 0  # still not built
+            row = a.expand(c)
+            assert all(row[b] == nxt for (lo, hi, _), nxt in zip(segments, nexts) for b in range(lo, hi + 1))
+            a.next_byte[c] = UNEXPANDED  # as it was, for the next lexer state (its successors stay interned)
+    assert num_read > 50 and num_refused > 10

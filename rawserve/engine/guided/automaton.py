@@ -54,6 +54,7 @@ class Automaton:
         self._region_firsts = [first for first, _, _ in self._regions]
         self._shift_keys: dict[int, tuple[frozenset[tuple[int, int]], int]] = {}
         self._shift_low: dict[int, int] = {}  # a configuration's lowest copy in its one run
+        self._alive: dict[int, tuple[tuple[int, int], ...]] = {}  # expanded configuration -> alive_runs
         self._partial: dict[int, dict[int, int]] = {}  # unexpanded configuration -> the bytes stepped so far
         self._spare: dict[tuple[int, int], int] = {}  # (configuration, run) -> spare_in, asked per trie node
         self._mark_stack = self._push(self.mark, 0)
@@ -216,6 +217,11 @@ class Automaton:
             self._shift_low[cid] = low
         return key
 
+    def shift_low(self, cid: int) -> int:
+        """The lowest copy of its one repeat run that cid's threads are in (shift_key's shift; 0 outside a run)."""
+        self.shift_key(cid)
+        return self._shift_low.get(cid, 0)
+
     def shift_next(self, prev: int, cid: int) -> int | None:
         """The configuration a string w leads to from cid, when w led from prev to cid and cid is prev one copy
         on along a repeat run: cid one more copy on, made without stepping (interned from its threads). None
@@ -275,6 +281,8 @@ class Automaton:
                 hit = shifted[nxt] = self._intern(frozenset(
                     (s + stride, sid) if first <= s < end else (s, sid) for s, sid in self.configs[nxt]))
             row.append(hit)
+        if prev in self._alive:  # a shifted configuration is DEAD where its predecessor is
+            self._alive[cid] = self._alive[prev]
         row = self.next_byte[cid] = tuple(row)
         return row
 
@@ -317,15 +325,60 @@ class Automaton:
         # Byte runs that move the same threads share one closure: a string character's class is cut into a
         # dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
         closed: dict[tuple[tuple[int, int], ...], int] = {}
+        alive: list[tuple[int, int]] = []
         for begin, end in zip(cuts, cuts[1:]):
             moved = tuple([(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi])
             if moved:
                 nxt = closed.get(moved)
                 if nxt is None:
                     nxt = closed[moved] = self._intern(self._closure(list(moved)))
-                row[begin:end] = [nxt] * (end - begin)
+                if nxt != DEAD:
+                    row[begin:end] = [nxt] * (end - begin)
+                    if alive and alive[-1][1] == begin:
+                        alive[-1] = (alive[-1][0], end)
+                    else:
+                        alive.append((begin, end))
+        self._alive[cid] = tuple(alive)
         row = self.next_byte[cid] = tuple(row)
         return row
+
+    def alive_runs(self, cid: int) -> tuple[tuple[int, int], ...]:
+        """The byte runs [begin, end) of an expanded configuration's row that lead on (not DEAD), recorded as
+        expand made it: a narrow walk reads a wide trie node's children in these runs alone (most of the 256 at the
+        root, or below `"` or a space, are dead for a key or a number)."""
+        runs = self._alive.get(cid)
+        if runs is None:
+            row = self.expand(cid)
+            runs = self._alive.get(cid)
+            if runs is None:  # DEAD, or a row made by expand_shifted
+                alive = [b for b in range(256) if row[b] != DEAD]
+                runs = self._alive[cid] = tuple((b, b + 1) for b in alive)
+        return runs
+
+    def run_steps(self, cid: int, runs: list[tuple[int, int, int]]) -> list[int] | None:
+        """Per run (lo, hi, _) of bytes (covering 0-255), where every byte of it leads from cid, when no byte edge of
+        cid's threads begins or ends inside a run (so all its bytes move the same threads); None otherwise, or when
+        cid is expanded or DEAD (read the row instead). cid's row is left unbuilt: a pairing with the string lexer
+        reads 30 configurations inside a character per place of a counted string this way, and builds none of their
+        256-entry rows."""
+        if cid == DEAD or self.next_byte[cid][0] >= 0:
+            return None
+        edges = self._edges(cid)
+        closed: dict[tuple[tuple[int, int], ...], int] = {}
+        out = []
+        for lo, hi, _ in runs:
+            moved = []
+            for e_lo, e_hi, t, sid in edges:
+                if e_lo <= lo and hi <= e_hi:
+                    moved.append((t, sid))
+                elif e_lo <= hi and lo <= e_hi:
+                    return None
+            key = tuple(moved)
+            nxt = closed.get(key)
+            if nxt is None:
+                nxt = closed[key] = self._intern(self._closure(moved)) if moved else DEAD
+            out.append(nxt)
+        return out
 
     def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
         """(lo, hi, target state, stack id) of every byte edge of cid's threads."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rawserve.engine.guided.automaton import DEAD
-from rawserve.engine.guided.lexemes import _BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, \
+from rawserve.engine.guided.lexemes import BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, \
     string_lexer, subtree_sets
 from rawserve.engine.guided.token_mask import id_tensor
 
@@ -58,11 +58,6 @@ class CountedTokens:
             count[vocab.dup_ids] = count[vocab.dup_canon]
             close_count[vocab.dup_ids] = close_count[vocab.dup_canon]
         self._vocab = vocab
-        # per trie node of an opening quote (`"`, ` "`): the tokens below it as StringLexeme.anchored has them, with
-        # the characters each begins after the quote (inside) or before the closing one (close), for
-        # CountedTail.walk_below
-        self._anchored: dict[int, tuple[list[int], list[int], list[dict[int, int]], list[list[int]], dict[int, int]]]
-        self._anchored = {}
         ids = (count >= 0).nonzero().squeeze(1)
         order = torch.sort(count[ids], stable=True)
         self.inside_by_count = ids[order.indices]
@@ -83,12 +78,12 @@ class CountedTokens:
     def anchored(self, node: int) -> tuple[list[int], list[int], list[dict[int, int]], list[list[int]], dict[int, int]]:
         """For the tokens below trie node `node`, read from the lexer's start there: (the ids that stay inside
         the string, the characters each begins, the close trie's children and tokens as StringLexeme.anchored,
-        and per close token the characters before its closing quote). A Python walk of the subtree, kept."""
-        hit = self._anchored.get(node)
-        if hit is not None:
-            return hit
-        lexer = string_lexer()
-        hit = self._anchored[node] = subtree_sets(self._vocab, lexer, lexer.start, node)
+        and per close token the characters before its closing quote). The start lexeme's kept subtree walk
+        (StringLexeme.subtree), or a walk of its own past that one's cap."""
+        hit = string_lexeme(self._vocab).subtree(node)
+        if hit is None:
+            lexer = string_lexer()
+            hit = subtree_sets(self._vocab, lexer, lexer.start, node)
         return hit
 
 
@@ -108,7 +103,7 @@ def counted_tokens(vocab) -> CountedTokens:
     counted = getattr(vocab, "_counted_tokens", None)
     if counted is None:
         string_lexeme(vocab)  # before the lock, which its own first build takes
-        with _BUILD_LOCK:
+        with BUILD_LOCK:
             counted = getattr(vocab, "_counted_tokens", None)
             if counted is None:
                 counted = vocab._counted_tokens = CountedTokens(vocab)
@@ -166,7 +161,7 @@ class CountedTail:
         key = (node, close)
         kept = self._closes.get(key)
         if kept is None:
-            kept = self._closes[key] = self.walk._walk_close(close, children, tokens)
+            kept = self._closes[key] = self.walk.walk_close(close, children, tokens)
             self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
         certain.extend([t for t, n in zip(inside, counts) if n <= left])
         certain.extend([t for t in kept[0] if close_count[t] <= left])
@@ -192,7 +187,7 @@ class CountedTail:
         one next place, the quote at one configuration after it) passes a token that begins b characters to the
         place b on, and the last place takes only the quote: a token of at most r characters moves as the lexer
         does from a place r from the end, and one of more dies there. Places that a kept pairing proves a copy
-        apart (LexemeWalk._counted_place, every configuration paired with a copy to spare: _SHIFTED_PAIRING) are
+        apart (LexemeWalk.counted_place, every configuration paired with a copy to spare: _SHIFTED_PAIRING) are
         stepped over by shifting; the last two, and a string's first place before its run, are paired one by one."""
         if cid in self._left:
             return self._left[cid]
@@ -210,7 +205,7 @@ class CountedTail:
                     result = known
                 break
             run = a.shift_key(at)[1]
-            proven = walk._counted_place(at, run) if run >= 0 else None
+            proven = walk.counted_place(at, run) if run >= 0 else None
             if isinstance(proven, tuple) and proven[0] >= 1:
                 if close not in (DEAD, proven[1]):
                     break
@@ -229,7 +224,7 @@ class CountedTail:
                 break
             num_paired += 1
             self.num_proven += 1
-            paired = walk._pair_counted(at)
+            paired = walk.pair_counted(at)
             if paired is not None:
                 if close not in (DEAD, paired[1]):
                     break

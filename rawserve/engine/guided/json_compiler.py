@@ -14,7 +14,7 @@ from .json_formats import FORMATS
 from .json_keywords import (ANNOTATIONS, CONSTRAINTS, count_keyword, json_equal, json_type, merge_schemas,
                             pointer_token, resolve_pointer, schema_types)
 from .json_numbers import NUMBER, number_node
-from .json_strings import CHAR, STRING, chars, escape_content, fit_length, key_except
+from .json_strings import CHAR, STRING, STRING_BODY, chars, escape_content, fit_length, key_except
 
 MAX_SCHEMA_DEPTH = 64
 MAX_GRAMMAR_NODES = 10_000  # distinct IR nodes one schema may add; also caps subschema visits
@@ -50,6 +50,7 @@ class SchemaCompiler:
         self.ref_rules: dict[str, str] = {}  # JSON pointer -> rule name
         self.head: set[str] = set()  # pointers entered since the last `{` or `[`: a $ref back to one loops
         self.any_value = self.any_object = ""
+        self.string_rule = ""
         self.num_visits = 0
         self.num_built = 0
         self._counted: set[int] = set()  # ids of the nodes in num_built
@@ -414,9 +415,18 @@ class SchemaCompiler:
                 raise GrammarError(f"unsupported string format {c['format']!r} at {path}; supported: "
                                    + ", ".join(sorted(FORMATS)))
             content = fit_length(make(), lo, hi, f"{path}/format")
+        elif lo == 0 and hi is None:  # one body rule for all (json_strings.STRING_BODY)
+            return seq(lit('"'), Ref(self.string_body()))
         else:
             content = Repeat(CHAR, lo, hi)
         return seq(lit('"'), content, lit('"'))
+
+    def string_body(self) -> str:
+        """The rule of a plain string's body (json_strings.STRING_BODY), made at first use: one for the schema."""
+        if not self.string_rule:
+            self.string_rule = self.fresh("string")
+            self.rules[self.string_rule] = STRING_BODY
+        return self.string_rule
 
 
 def _fits(grammar: Grammar, value: object) -> bool:

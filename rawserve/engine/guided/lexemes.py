@@ -18,13 +18,19 @@ from rawserve.engine.guided.json_strings import CHAR
 from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.token_mask import id_tensor
 
-_BUILD_LOCK = threading.Lock()
+# Held while a vocabulary's shared sets are built (the lexer, each StringLexeme, counted_tail.CountedTokens), so
+# the helper thread and a request's first mask never build one twice.
+BUILD_LOCK = threading.Lock()
 # What the sets read below opening quotes inside tokens (StringLexeme.anchored) may hold, per vocabulary; a few
 # KB each for `"` and ` "` on Qwen3's vocabulary.
 MAX_ANCHORED_BYTES = 16 << 20
 # A copy of a counted run steps as the one a copy on does while it has this many copies to spare
 # (Automaton.shift_next: a character is at most four bytes, each taking a thread at most one copy on).
 SHIFT_SPARE = 5
+# prepare_string_lexemes reads the sets below every opening quote within a token's first this many bytes, at start:
+# 129 nodes, 2 ms of CPU and ~60 KB on Qwen3's vocabulary, which a first request's narrow walk paid before (its
+# `"` and ` "` alone 0.6 ms, twice with counted strings).
+OPENING_QUOTE_MAX_DEPTH = 4
 
 
 class StringLexer:
@@ -83,6 +89,21 @@ def _row_moves(row: list[int], segments: list[tuple[int, int, int]]) -> list[tup
     return moves
 
 
+def _config_moves(a: Automaton, cid: int, segments: list[tuple[int, int, int]]) -> list[tuple[int, int]] | None:
+    """_row_moves of cid's row, read run by run without building the row where cid's edges allow
+    (Automaton.run_steps)."""
+    nexts = a.run_steps(cid, segments)
+    if nexts is None:
+        return _row_moves(a.expand(cid), segments)
+    moves = []
+    for nxt, (_, _, nxt_state) in zip(nexts, segments):
+        if (nxt == DEAD) != (nxt_state == DEAD):
+            return None
+        if nxt != DEAD:
+            moves.append((nxt, nxt_state))
+    return moves
+
+
 _LEXER: StringLexer | None = None
 
 
@@ -90,7 +111,7 @@ def string_lexer() -> StringLexer:
     """The process's StringLexer (it depends on no vocabulary), made on first use."""
     global _LEXER
     if _LEXER is None:
-        with _BUILD_LOCK:
+        with BUILD_LOCK:
             if _LEXER is None:
                 _LEXER = StringLexer()
     return _LEXER
@@ -140,7 +161,8 @@ class StringLexeme:
         # the most characters a token (or its rest after an opening quote) begins: a byte begins one at most
         self.max_chars = max(map(len, token_bytes), default=0)
         self._vocab = vocab
-        self._anchored: dict[int, tuple[list[int], list[dict[int, int]], list[list[int]]]] = {}
+        self._subtrees: dict[int, tuple[list[int], list[int], list[dict[int, int]], list[list[int]], dict[int, int]]]
+        self._subtrees = {}
         self.anchored_bytes = 0
 
     def _read_dense(self, vocab) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -194,16 +216,23 @@ class StringLexeme:
     def anchored(self, node: int) -> tuple[list[int], list[dict[int, int]], list[list[int]]] | None:
         """For the tokens below trie node `node` (a token's bytes up to an opening quote, say `"` or ` "`), read
         from this lexeme's state at node: (the canonical ids that stay inside the string, and their close trie as
-        (children, tokens) like close_children/close_tokens). Built on first use by a Python walk of the subtree
-        and kept, up to MAX_ANCHORED_BYTES for all anchors (None past it: the caller walks the subtree itself)."""
-        hit = self._anchored.get(node)
+        (children, tokens) like close_children/close_tokens). See subtree."""
+        hit = self.subtree(node)
+        return None if hit is None else (hit[0], hit[2], hit[3])
+
+    def subtree(self, node: int) -> tuple[list[int], list[int], list[dict[int, int]], list[list[int]],
+                                          dict[int, int]] | None:
+        """subtree_sets below trie node `node` from this lexeme's state: built on first use (or ahead, for the
+        opening quotes tokens begin with: prepare_string_lexemes) and kept, up to MAX_ANCHORED_BYTES for all
+        anchors (None past it: the caller walks the subtree itself). The start state's serve counted_tail too."""
+        hit = self._subtrees.get(node)
         if hit is not None or self.anchored_bytes > MAX_ANCHORED_BYTES:
             return hit
-        inside, _, children, tokens, _ = subtree_sets(self._vocab, self.lexer, self.state, node)
-        result = (inside, children, tokens)
-        self._anchored[node] = result
-        self.anchored_bytes += 8 * len(inside) + 120 * len(children) + 8 * sum(map(len, tokens))
-        return result
+        hit = self._subtrees[node] = subtree_sets(self._vocab, self.lexer, self.state, node)
+        inside, counts, children, tokens, close_count = hit
+        self.anchored_bytes += (16 * len(inside) + 120 * len(children) + 8 * sum(map(len, tokens))
+                                + 100 * len(close_count))
+        return hit
 
 
 def subtree_sets(vocab, lexer, state: int, node: int) -> tuple[list[int], list[int], list[dict[int, int]],
@@ -263,7 +292,7 @@ def string_lexeme(vocab, state: int | None = None) -> StringLexeme:
     lexeme = lexemes.get(state) if lexemes is not None else None
     if lexeme is not None:
         return lexeme
-    with _BUILD_LOCK:
+    with BUILD_LOCK:
         lexemes = getattr(vocab, "_string_lexemes", None)
         if lexemes is None:
             lexemes = vocab._string_lexemes = {}
@@ -276,9 +305,27 @@ def string_lexeme(vocab, state: int | None = None) -> StringLexeme:
 def prepare_string_lexemes(vocab) -> int:
     """Build the vocabulary's StringLexeme from every lexer state -> the bytes they hold. About 0.25 s of CPU and
     540 KB for Qwen3's vocabulary (36 states: the start's ban list is 5k ids, the others' sets a few thousand at
-    most); built ahead, so no request's first mask inside a character or an escape pays for its state's."""
+    most); built ahead, so no request's first mask inside a character or an escape pays for its state's. Then the
+    start's sets below the opening quotes tokens begin with (opening_quotes), which a first request's narrow walk
+    would read otherwise."""
     lexer = string_lexer()
-    return sum(string_lexeme(vocab, state).nbytes for state in range(1, lexer.num_states) if state != lexer.close)
+    nbytes = sum(string_lexeme(vocab, state).nbytes for state in range(1, lexer.num_states) if state != lexer.close)
+    start = string_lexeme(vocab)
+    for node in opening_quotes(vocab):
+        start.subtree(node)
+    return nbytes + start.anchored_bytes
+
+
+def opening_quotes(vocab, max_depth: int = OPENING_QUOTE_MAX_DEPTH) -> list[int]:
+    """The trie nodes of a `"` within a token's first `max_depth` bytes that longer tokens go on from (`"`, ` "`,
+    `:"`, `("`, `", "`...): where a narrow walk meets a string's opening quote and takes the subtree's sets."""
+    node_byte, first_child, num_children, _ = vocab.py_arrays()
+    found: list[int] = []
+    level = [0]
+    for _ in range(max_depth):
+        level = [j for node in level for j in range(first_child[node], first_child[node] + num_children[node])]
+        found += [j for j in level if node_byte[j] == 0x22 and num_children[j]]
+    return found
 
 
 class LexemeWalk:
@@ -326,14 +373,18 @@ class LexemeWalk:
             return self._matched[cid]
         a = self.automaton
         lexer = string_lexer()
-        row = a.expand(cid)
+        stacks = {sid for _, sid in a.configs[cid]}
+        cut = a.truncate(cid, 0) if len(stacks) == 1 and 0 not in stacks else cid
+        # The cut's row, not cid's: the cut is shared by the strings of its rule at every depth and expanded
+        # once, where cid's own row would intern a dozen configurations per string (what a walk below an opening
+        # quote asks) that nothing else reads. A pairing proven on the cut holds for cid's bytes but the quote,
+        # which is stepped from cid's own configuration below.
+        row = a.expand(cut)
         result = None
         alike = lexer.by_alive.get(alive_bytes(row), ())
         for state in alike:
-            if not self._moves_like(cid, row, state):
+            if not self._moves_like(cut, row, state):
                 continue
-            stacks = {sid for _, sid in a.configs[cid]}
-            cut = a.truncate(cid, 0) if len(stacks) == 1 and 0 not in stacks else cid
             if cut == cid:
                 proven = self._match(cid, state, False)
                 if proven is not None:
@@ -346,7 +397,7 @@ class LexemeWalk:
                 boundary = self._proven[key]
                 if boundary is not None:
                     quote = lexer.close_bytes
-                    closes = a.step_some(a.restack(boundary, stacks.pop()), quote)
+                    closes = a.step_some(a.restack(boundary, next(iter(stacks))), quote)
                     if all(closes[b] == closes[quote[0]] for b in quote):
                         result = (state, closes[quote[0]])
             if result is not None:
@@ -364,7 +415,7 @@ class LexemeWalk:
         of alike copies of one character, CompiledGrammar.repeats) with room for every token: then each token
         moves from cid as from the lexer's start, and its mask is the lexeme's, uncounted. Else None.
 
-        Proven on one place: its pairing with the lexer (_pair_counted) where a character leads one copy on and
+        Proven on one place: its pairing with the lexer (pair_counted) where a character leads one copy on and
         the quote to one configuration outside the run; every place with the same shift key steps as that one,
         a copy apart, while its configurations have SHIFT_SPARE copies to spare (Automaton.shift_next), so a
         place whose pairing spares SHIFT_SPARE + the vocabulary's longest token (a byte begins at most one
@@ -377,7 +428,7 @@ class LexemeWalk:
             # a pairing spares no more than its place does: the near end of a run is refused without one
             if a.spare_in(cid, run) < room:
                 return None
-            proven = self._counted_place(cid, run)
+            proven = self.counted_place(cid, run)
             if isinstance(proven, tuple):
                 if proven[0] < room:
                     return None
@@ -388,14 +439,14 @@ class LexemeWalk:
             nxt_run = a.shift_key(second)[1]
             if nxt_run < 0 or a.spare_in(second, nxt_run) < room:
                 return None
-            proven = self._pair_counted(cid)
+            proven = self.pair_counted(cid)
         else:
             return None
         if proven is None:
             return None
         step, close = proven[0], proven[1]  # a place whose pairing leads into the next place, proven so
         run = a.shift_key(step)[1]
-        proven = self._counted_place(step, run) if run >= 0 else None
+        proven = self.counted_place(step, run) if run >= 0 else None
         if not isinstance(proven, tuple) or proven[0] < room or proven[1] != close:
             return None
         return close
@@ -421,17 +472,18 @@ class LexemeWalk:
             return None
         return self.automaton.shift_by(cid, run, num_chars)
 
-    def _counted_place(self, cid: int, run: int) -> tuple[int, int] | list[int] | None:
+    def counted_place(self, cid: int, run: int) -> tuple[int, int] | list[int] | None:
         """(the fewest copies its pairing spares, the configuration after the quote) for a place that moves as
         the lexer's start with a character leading to itself one copy on, proven on it or on a place with its
         shift key. [the configuration a character leads to, the one after the quote] when cid pairs with the
-        lexer's start but a character leads elsewhere (the string's first place); None if cid does not pair."""
+        lexer's start but a character leads elsewhere (the string's first place); None if cid does not pair.
+        counted_tail.CountedTail.left steps along a chain of places with it."""
         a = self.automaton
         key = a.shift_key(cid)
-        low = a._shift_low.get(cid, 0)
+        low = a.shift_low(cid)
         kept = self._counted.get(key)
         if kept is None:
-            paired = self._pair_counted(cid)
+            paired = self.pair_counted(cid)
             if paired is None:
                 return None
             step, close, configs = paired
@@ -444,10 +496,10 @@ class LexemeWalk:
         low0, spare0, close = kept
         return spare0 - (low - low0), close
 
-    def _pair_counted(self, cid: int) -> tuple[int, int, list[int]] | None:
+    def pair_counted(self, cid: int) -> tuple[int, int, list[int]] | None:
         """cid paired with the lexer's start as _match pairs them, but for a character's end, which may lead to
         one other configuration (the next place): (that configuration, the one after the closing quote, the
-        configurations paired), or None."""
+        configurations paired), or None. counted_tail pairs a run's last places and a string's first with it."""
         self.num_counted_proven += 1
         lexer = string_lexer()
         a = self.automaton
@@ -459,7 +511,7 @@ class LexemeWalk:
             g, state = work.pop()
             if kind[g] != 1:
                 return None
-            moves = _row_moves(a.expand(g), segments[state])
+            moves = _config_moves(a, g, segments[state])
             if moves is None:
                 return None
             for nxt, nxt_state in moves:
@@ -515,7 +567,7 @@ class LexemeWalk:
             # refuse it anyway; a push inside would be sound too below the depth cap: both are kept out cheaply.
             if is_cut and any(s == mark or sid != mark_stack for s, sid in configs[g]):
                 return None
-            moves = _row_moves(a.expand(g), segments[state])
+            moves = _config_moves(a, g, segments[state])
             if moves is None:
                 return None
             for nxt, nxt_state in moves:
@@ -549,7 +601,7 @@ class LexemeWalk:
         kept = self._closes.get(key)
         if kept is None:
             lexeme = string_lexeme(self.vocab, state)
-            kept = self._closes[key] = self._walk_close(close, lexeme.close_children, lexeme.close_tokens)
+            kept = self._closes[key] = self.walk_close(close, lexeme.close_children, lexeme.close_tokens)
             self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
         return kept
 
@@ -568,7 +620,7 @@ class LexemeWalk:
             if anchored is None:
                 return False
             inside, children, found = anchored
-            walked = self._walk_close(matched[1], children, found)
+            walked = self.walk_close(matched[1], children, found)
             kept = self._closes[key] = (inside + walked[0], walked[1])
             self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
         certain.extend(kept[0])
@@ -576,9 +628,10 @@ class LexemeWalk:
         self.num_below += 1
         return True
 
-    def _walk_close(self, close: int, children: list[dict[int, int]],
-                    found: list[list[int]]) -> tuple[list[int], list[int]]:
-        """The close trie's tokens that `close`, the configuration after the quote, takes: (certain, uncertain)."""
+    def walk_close(self, close: int, children: list[dict[int, int]],
+                   found: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The close trie's tokens that `close`, the configuration after the quote, takes: (certain, uncertain).
+        Also counted_tail's, over the anchored sets filtered by count."""
         a = self.automaton
         next_byte, kind = a.next_byte, a.kind
         certain: list[int] = []
