@@ -3,11 +3,14 @@ length and delta-rule chunk size, and a decode step's ms after a given context.
 
 python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192,32768] [--rows 1,32] [--chunks 32,64,128]
     [--dtype bfloat16] [--decode-attention auto,sdpa] [--prefill-chunk 2048,0] [--threads 1]
-Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared). A decode's
-cost does not depend on the values in its context, so the decode rows fill the KV cache and the states with
-random values rather than prefilling them (32k prefill on a 2-core CPU takes minutes: pass it to --prefill
-explicitly when wanted). Memory per sequence (states + KV) is computed from the shapes. --decode-attention auto,sdpa
-times each decode row both ways, alternating (auto: the engine's pick, long_decode.takes_long_path: the long-context
+Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared; decode rows
+also give the process CPU time per step and the step's top-level torch op count, which the load does not move). A
+decode's cost does not depend on the values in its context, so the decode rows fill the KV cache and the states
+with random values rather than prefilling them (32k prefill on a 2-core CPU takes minutes: pass it to --prefill
+explicitly when wanted). Not zeros: from zero states this random model's decode steps run into float32 subnormals
+(a 1-row step took 300-1,000 ms against 60, every op slowed, the linears too), which a prompt's states do not.
+Memory per sequence (states + KV) is computed from the shapes. --decode-attention auto,sdpa times each decode row
+both ways, alternating (auto: the engine's pick, long_decode.takes_long_path: the long-context
 path from long_decode.LONG_DECODE_TOKENS on, or for a large enough batch; sdpa: the batched SDPA at every length).
 """
 from __future__ import annotations
@@ -20,8 +23,9 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from bench.model_forward import rev, timed
+from bench.model_forward import rev
 from rawserve.engine.attention import long_decode
 from rawserve.engine.loader import HybridConfig, ModelConfig
 from rawserve.engine.models.packed import cpu_prepack_supported
@@ -78,6 +82,10 @@ class Harness:
         self.kv = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(model.num_kv_layers)]
         self.gather_out = None
         self.states = model.allocate_states(rows, torch.device("cpu"))
+        gen = torch.Generator().manual_seed(1)
+        for conv, recurrent in self.states:  # as a prompt leaves them (module docstring: not zeros)
+            conv.copy_(torch.randn(conv.shape, generator=gen))
+            recurrent.copy_(0.01 * torch.randn(recurrent.shape, generator=gen))
         model.init_rope(max_tokens + 1, torch.device("cpu"))
 
     def table(self, row: int, tokens: int) -> list[int]:
@@ -102,6 +110,24 @@ class Harness:
                             state_batch=StateBatch.from_inputs(seqs))
         ends = torch.arange(len(ids) - 1, len(ids) * rows, len(ids))
         self.model.compute_logits(hidden[ends])
+
+
+def step_cost(step, reps: int, warmup: int = 2) -> dict:
+    """A step's wall ms (median, min), process CPU ms (median: what the load moves least) and top-level torch ops
+    (one profiled step: deterministic)."""
+    for _ in range(warmup):
+        step()
+    wall, cpu = [], []
+    for _ in range(reps):
+        cpu_start, started = time.process_time(), time.perf_counter()
+        step()
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_start)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return {"decode_ms_median": round(statistics.median(wall) * 1e3, 2), "decode_ms_min": round(min(wall) * 1e3, 2),
+            "cpu_ms_median": round(statistics.median(cpu) * 1e3, 2),
+            "top_level_ops": sum(1 for e in prof.events() if e.cpu_parent is None)}
 
 
 def memory_per_sequence(cfg: ModelConfig, model: Qwen35Model, context: int, dtype: torch.dtype) -> dict:
@@ -181,14 +207,19 @@ def main() -> None:
             # ratios between rows hold (the box is shared)
             cases = [(ctx, mode) for ctx in contexts for mode in modes]
             times = {case: [] for case in cases}
+            cpu_times = {case: [] for case in cases}
             for round_index in range(2 + max(5, args.reps)):
                 for ctx, mode in cases:
                     use(mode)
-                    started = time.perf_counter()
+                    cpu_start, started = time.process_time(), time.perf_counter()
                     harness.step([7], ctx)
                     if round_index >= 2:  # two warm-up rounds
                         times[ctx, mode].append(time.perf_counter() - started)
+                        cpu_times[ctx, mode].append(time.process_time() - cpu_start)
             for ctx, mode in cases:
+                use(mode)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    harness.step([7], ctx)
                 first = times[contexts[0], mode]
                 print(json.dumps({**base, "kind": "decode", "rows": 1, "context_tokens": ctx,
                                   "decode_attention": attention_path(mode, ctx),
@@ -197,6 +228,8 @@ def main() -> None:
                                   f"median_over_{contexts[0]}": round(statistics.median(times[ctx, mode])
                                                                       / statistics.median(first), 3),
                                   f"min_over_{contexts[0]}": round(min(times[ctx, mode]) / min(first), 3),
+                                  "cpu_ms_median": round(statistics.median(cpu_times[ctx, mode]) * 1e3, 2),
+                                  "top_level_ops": sum(1 for e in prof.events() if e.cpu_parent is None),
                                   "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
             del harness
             ctx = contexts[0] if contexts else 1024
@@ -204,12 +237,10 @@ def main() -> None:
                 harness = Harness(model, ctx + 2, dtype, rows)
                 for mode in modes:
                     use(mode)
-                    times = timed(lambda: harness.step([7], ctx, rows), reps=max(5, args.reps), warmup=2)
+                    cost = step_cost(lambda: harness.step([7], ctx, rows), reps=max(5, args.reps))
                     print(json.dumps({**base, "kind": "decode", "rows": rows, "context_tokens": ctx,
-                                      "decode_attention": attention_path(mode, ctx, rows),
-                                      "decode_ms_median": round(statistics.median(times) * 1e3, 2),
-                                      "decode_ms_min": round(min(times) * 1e3, 2),
-                                      "tok_s": round(rows / statistics.median(times), 1),
+                                      "decode_attention": attention_path(mode, ctx, rows), **cost,
+                                      "tok_s": round(rows / cost["decode_ms_median"] * 1e3, 1),
                                       "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
                 del harness
             use("auto")

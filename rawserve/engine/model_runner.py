@@ -296,7 +296,7 @@ class ModelRunner:
         return self.model.num_kv_layers if self.is_hybrid else self.model_config.num_layers
 
     def _allocate_states(self, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A hybrid's state pool: per linear layer (conv [S, conv_dim, K-1] at the model's dtype, recurrent
+        """A hybrid's state pool: per linear layer (conv [S, K-1, conv_dim] at the model's dtype, recurrent
         [S, Hv, dk, dv] float32). Left empty, as the KV pool is: a fresh sequence's slot is zeroed by the forward
         (StateBatch.fresh) and a restored one copied whole, so pages are touched only as slots are used."""
         conv, rec = self.model.state_shapes(num_slots)

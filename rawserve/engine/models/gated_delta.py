@@ -2,7 +2,7 @@
 and the gated delta rule (chunked for prefill rows, one recurrent step for decode rows) over per-sequence
 recurrent states. Pure torch, no model weights: a layer hands in its projections and the step's DeltaPlan.
 
-The states live outside the model, one row per slot: conv [num_slots, conv_dim, kernel - 1] (the last inputs of
+The states live outside the model, one row per slot: conv [num_slots, kernel - 1, conv_dim] (the last inputs of
 the conv, at the model's dtype) and recurrent [num_slots, num_v_heads, head_k_dim, head_v_dim] (float32).
 """
 from __future__ import annotations
@@ -196,28 +196,18 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
 
     x: [T, C] new inputs; taps: [K, C] float32 (tap K - 1 multiplies the newest input; rows contiguous, since a
     strided column of the checkpoint's [C, K] made each multiply-add several times slower); conv_state:
-    [num_slots, C, K - 1] (read at, then written to, the step's slots; fresh slots are zeroed beforehand).
-    -> [T, C] float32 (what the delta rule reads).
+    [num_slots, K - 1, C] (read at, then written to, the step's slots; fresh slots are zeroed beforehand; oldest
+    input first, each a contiguous row, as the history lays them out). -> [T, C] float32 (what the delta rule reads).
+    A step of decodes only takes delta_decode.decode_conv instead (GatedDeltaNetLayer.decode).
     """
     num_seqs, keep = plan.slots.numel(), taps.shape[0] - 1
     run = plan.slot_run
     saved = conv_state[run:run + num_seqs] if run is not None else conv_state.index_select(0, plan.slots)
-    if plan.all_decode:  # one new input each: K multiply-adds over [S, C], no history to lay out
-        out = x.float() * taps[keep]
-        for k in range(keep):
-            out.addcmul_(saved[:, :, k], taps[k])
-        if run is not None:  # shifted in place, oldest tap first (each column read before it is overwritten): half
-            for k in range(keep - 1):  # the time of a concatenated copy written back
-                saved[:, :, k].copy_(saved[:, :, k + 1])
-            saved[:, :, keep - 1].copy_(x)
-        else:
-            conv_state.index_copy_(0, plan.slots, torch.cat((saved[:, :, 1:], x.unsqueeze(-1)), -1))
-        return F.silu(out, inplace=True)
-    saved = saved.transpose(1, 2).reshape(num_seqs * keep, -1).to(x.dtype)  # [S * (K-1), C]
+    saved = saved.reshape(num_seqs * keep, -1).to(x.dtype)  # [S * (K-1), C]
     history = torch.cat((saved, x))  # [S * (K-1) + T, C]
     if num_seqs > 1:  # (one sequence's saved inputs already lie before its new ones: the index is the identity)
         history = history.index_select(0, plan.history_index)
-    new_state = history.index_select(0, plan.conv_state_index).view(num_seqs, keep, -1).transpose(1, 2)
+    new_state = history.index_select(0, plan.conv_state_index).view(num_seqs, keep, -1)
     conv_state.index_copy_(0, plan.slots, new_state.to(conv_state.dtype))
     history = history.float()
     rows = history.shape[0] - keep

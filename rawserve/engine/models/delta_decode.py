@@ -1,0 +1,84 @@
+"""Gated DeltaNet's one-token forms, for a step of decodes only (DeltaPlan.all_decode): the conv window, the per-head
+scaled l2 norm and the recurrent step with q and k side by side, each in as few torch calls as the arithmetic allows
+(at one row a call costs more than its arithmetic). Pure torch, no model weights; gated_delta owns the plan.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rawserve.engine.models.gated_delta import DeltaPlan
+
+
+def decode_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
+    """causal_conv for a step of decodes only (plan.all_decode): one new input per sequence.
+
+    x: [B, C]; taps: [K, C] float32; conv_state: [num_slots, K - 1, C]. -> [B, C] float32. Each sequence's window
+    (its K - 1 saved inputs, then the new one) is one [B, K, C] tensor of contiguous rows: the conv is one
+    product and one sum over it, and its last K - 1 rows are the new state, one copy. At one row the per-tap form
+    was two dozen calls (a multiply-add, a state column shifted and a slice or two per tap), and a state laid out
+    [C, K - 1] made every one of them a strided pass (the window's sum over a last dim of K ran 10x slower at 32
+    rows). The window is made float32 before the product: a bf16 x float32 product runs ~10x slower."""
+    num_seqs = x.shape[0]
+    run = plan.slot_run
+    saved = conv_state[run:run + num_seqs] if run is not None else conv_state.index_select(0, plan.slots)
+    window = torch.cat((saved, x.unsqueeze(1)), 1)  # [B, K, C]
+    if run is not None:
+        saved.copy_(window[:, 1:])
+    else:
+        conv_state.index_copy_(0, plan.slots, window[:, 1:])
+    # (a float32 window is the cat's own tensor, read nowhere else once the state is copied out of it)
+    return F.silu(window.float().mul_(taps).sum(1), inplace=True)
+
+
+def scaled_l2_normalize_(x: torch.Tensor, eps: torch.Tensor, inv_scale_sq: torch.Tensor) -> torch.Tensor:
+    """l2_normalize times a factor per head, in place, in five calls: x [..., d] times
+    rsqrt(sum(x^2) inv_scale_sq + eps) = scale rsqrt(sum(x^2) + 1e-6) with eps = 1e-6 inv_scale_sq; eps and
+    inv_scale_sq broadcast against x's leading dims (scale: 1 on k's heads, dk^-0.5 on q's, where inv_scale_sq =
+    dk is a power of two and the product is exact)."""
+    sums = torch.linalg.vecdot(x, x)  # [..., H]
+    return x.mul_(torch.addcmul(eps, sums, inv_scale_sq).rsqrt_().unsqueeze(-1))
+
+
+def decode_rule(qk: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                states: torch.Tensor) -> torch.Tensor:
+    """recurrent_step for a step of decodes, q and k side by side, in place on `states` [B, H, dk, dv] (float32,
+    the pool's rows of the step's slots as a view).
+
+    qk: [B, H, 2, dk] (q normalised and scaled, then k; any strides); v: [B, H, 1, dv]; decay (exp g), beta:
+    [B, H, 1, 1]. -> [B, H, 1, dv]. The same algebra as recurrent_step: one product reads q S and k S off the old
+    state, then the decay and the rank-1 write are the state's only other passes. Every operand keeps the state's
+    four dims, so no call goes to reshaping one (at one row each call costs more than its arithmetic)."""
+    q_read, k_read = torch.matmul(qk, states).split(1, 2)  # [B, H, 1, dv] each
+    delta = torch.addcmul(v, decay, k_read, value=-1).mul_(beta)  # [B, H, 1, dv]
+    q, k = qk.split(1, 2)  # [B, H, 1, dk] each
+    k_col = k.transpose(-1, -2)  # [B, H, dk, 1]
+    out = torch.addcmul(q_read.mul_(decay), torch.matmul(q, k_col), delta)  # q.k: [B, H, 1, 1]
+    states.mul_(decay)
+    states.addcmul_(k_col, delta)
+    return out
+
+
+def decode_rule_at(qk: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                   recurrent: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
+    """decode_rule for a step of decodes only (plan.all_decode) wherever their slots lie in recurrent
+    [num_slots, H, dk, dv]: in place on their run (plan.slot_run); on the run of slots they span, with identity
+    rows between (plan.decode_span: decay 1, beta 0 and k 0 leave a state as it was); else gathered and written
+    back. Arguments as decode_rule's, in batch order. -> [B, H, 1, dv]."""
+    num_seqs = v.shape[0]
+    if plan.slot_run is not None:
+        first = plan.slot_run
+        return decode_rule(qk, v, decay, beta, recurrent[first:first + num_seqs])
+    if plan.decode_span is not None:
+        first, count = plan.decode_span
+
+        def laid(x: torch.Tensor, pad: float) -> torch.Tensor:  # [B, ...] -> [count, ...] in slot order
+            return torch.cat((x, x.new_full((1, *x.shape[1:]), pad))).index_select(0, plan.decode_span_rows)
+
+        o = decode_rule(laid(qk, 0.0), laid(v, 0.0), laid(decay, 1.0), laid(beta, 0.0), recurrent[first:first + count])
+        return o.index_select(0, plan.decode_place)
+    pool = recurrent.view(recurrent.shape[0], -1)  # (a 4-D index_select copied rows several times slower)
+    states = pool.index_select(0, plan.slots).view(num_seqs, *recurrent.shape[1:])
+    o = decode_rule(qk, v, decay, beta, states)
+    pool.index_copy_(0, plan.slots, states.view(num_seqs, -1))
+    return o

@@ -1,0 +1,89 @@
+"""delta_decode's one-token forms (a step of decodes only) against the plain rule in float64: the conv window and
+its state rows, the delta rule on slots in a run, spread over a span (rows between left exactly as they were) and
+far apart (gathered and written back), and the per-head scaled l2 norm."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rawserve.engine.models.delta_decode import decode_conv, decode_rule_at, scaled_l2_normalize_
+from rawserve.engine.models.gated_delta import StateBatch, causal_conv, l2_normalize, plan_delta_step
+from tests.engine.test_gated_delta import reference
+
+HEADS, DK, DV, K, CHANNELS = 3, 8, 6, 4, 10
+LAYOUTS = {"run": [2, 3, 4], "span": [7, 3, 5], "gathered": [0, 20, 40]}
+
+
+def decode_plan(slots: list[int]):
+    return plan_delta_step(StateBatch(slots, [False] * len(slots)), list(range(len(slots) + 1)), K,
+                           torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_decode_conv_is_the_windowed_sum_and_shifts_each_state_by_one(layout):
+    """Each output is silu of the taps times (the K - 1 saved inputs, the new one), in float32 (as the rule reads
+    it); each slot's state becomes its last K - 1 inputs; no other slot's row changes; causal_conv's history path
+    (prefill rows) gives the same outputs and states. x comes as a column slice of a wider row, as in_proj's."""
+    gen = torch.Generator().manual_seed(1)
+    num_seqs = len(layout)
+    wide = torch.randn(num_seqs, CHANNELS + 5, generator=gen)
+    x = wide[:, :CHANNELS]
+    taps = torch.randn(K, CHANNELS, generator=gen)
+    state = torch.randn(48, K - 1, CHANNELS, generator=gen)
+    before = state.clone()
+    plan = decode_plan(layout)
+    assert plan.all_decode and (plan.slot_run is not None) == (layout == LAYOUTS["run"])
+    out = decode_conv(x, taps, state, plan)
+    assert out.dtype == torch.float32
+    for i, slot in enumerate(layout):
+        window = torch.cat((before[slot], x[i:i + 1]))  # [K, C], oldest first
+        want = F.silu((window.double() * taps.double()).sum(0))
+        torch.testing.assert_close(out[i].double(), want, rtol=0, atol=1e-5)
+        assert torch.equal(state[slot], window[1:])
+    others = [s for s in range(48) if s not in layout]
+    assert torch.equal(state[others], before[others])
+    # the prefill path (a history of saved rows, then new ones) reads and writes the same layout
+    history_state = before.clone()
+    torch.testing.assert_close(causal_conv(x, taps, history_state, plan), out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(history_state, state)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_decode_rule_follows_the_token_by_token_rule_wherever_the_slots_lie(layout):
+    """Two decode steps on the same slots: outputs and states equal transformers' recurrent form; a slot inside
+    the span that is no decode of the step (a live state, and a free one holding NaN) is left exactly as it was."""
+    gen = torch.Generator().manual_seed(2)
+    num_seqs = len(layout)
+    pool = torch.randn(48, HEADS, DK, DV, generator=gen, dtype=torch.float64)
+    pool[6].fill_(float("nan"))  # inside the span's run (3..7), no decode's: must stay NaN and touch no one
+    expected = pool.clone()
+    for step in range(2):
+        wide = torch.randn(num_seqs, 2 * HEADS * DK + HEADS * DV + 3, generator=gen, dtype=torch.float64)
+        qk = l2_normalize(wide[:, :2 * HEADS * DK].view(num_seqs, 2, HEADS, DK))
+        qk[:, 0] *= DK ** -0.5
+        v = wide[:, 2 * HEADS * DK:2 * HEADS * DK + HEADS * DV].view(num_seqs, HEADS, DV)
+        g = -torch.rand(num_seqs, HEADS, generator=gen, dtype=torch.float64) * 3
+        beta = torch.rand(num_seqs, HEADS, generator=gen, dtype=torch.float64)
+        out = decode_rule_at(qk.transpose(1, 2), v.unsqueeze(2), g.exp()[..., None, None], beta[..., None, None],
+                             pool, decode_plan(layout))
+        assert out.shape == (num_seqs, HEADS, 1, DV)
+        for i, slot in enumerate(layout):
+            want = reference(expected[slot], qk[i:i + 1, 0], qk[i:i + 1, 1], v[i:i + 1], g[i:i + 1],
+                             beta[i:i + 1])
+            torch.testing.assert_close(out[i, :, 0], want[0], rtol=0, atol=1e-12)
+        others = [s for s in range(48) if s not in layout and s != 6]
+        torch.testing.assert_close(pool[layout], expected[layout], rtol=0, atol=1e-12)
+        assert torch.equal(pool[others], expected[others]) and bool(pool[6].isnan().all())
+
+
+def test_scaled_l2_normalize_is_l2_normalize_times_each_heads_scale():
+    """q's heads scaled by dk^-0.5 and k's by 1, in place, as l2_normalize and the scale one after the other."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, HEADS, DK, generator=gen, dtype=torch.float64)
+    x[0, 1, 2] = 0  # a zero head stays zero (the eps inside the root)
+    inv_scale_sq = torch.tensor([float(DK), 1.0], dtype=torch.float64).view(2, 1).expand(2, HEADS)
+    want = l2_normalize(x) * torch.tensor([DK ** -0.5, 1.0], dtype=torch.float64).view(2, 1, 1)
+    got = scaled_l2_normalize_(x, 1e-6 * inv_scale_sq, inv_scale_sq)
+    assert got.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
