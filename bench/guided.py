@@ -1,7 +1,7 @@
 """Guided decoding: our grammar engine (rawserve.engine.guided) beside xgrammar and llguidance on the real
 Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32 decode throughput.
 
-python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-tokens 8] [--skip-decode]
+python -m bench.guided [--passes 5] [--cold-rounds 5] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
                        [--cold-decode] [--cold-decode-tokens 48] [--cold-decode-pairs 2] [--cold-shapes tiny,0.6b]
                        [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
@@ -9,13 +9,19 @@ python -m bench.guided [--passes 5] [--compile-reps 3] [--batch 32] [--decode-to
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
 runs, then the issue's targets); logs go to stderr. xgrammar and llguidance are bench-only extras.
 
+Cold columns (issue 34): --cold-rounds rounds per schema, each engine in turn within a round (ours, xgrammar,
+llguidance), each round a schema variant no engine saw (round 0 the corpus schema, then its top-level keys renamed
+per round, the output with them): compile, then the first pass over that output. compile_ms, first_mask_ms, ttfm_ms
+and warmup_* are medians over rounds (they were one sample each, or the median of --compile-reps compiles of one
+schema: the ratios swung 2x between runs); cold_ms_rounds and warmup_mask_max_ms_rounds keep each round, and the
+targets take the median of compile + first pass per engine, with the per-round ratios' [min, median, max] beside.
 "Compile" for us is schema -> Grammar -> compile_grammar -> a pickle round trip (the compile worker to the
 core) -> GrammarRuntime (its start configuration); the first mask is reported beside it (first_mask_ms) and
 summed in ttfm_ms (time to first mask). For
 xgrammar it is compile_json_schema on a compiler without its cache, then GrammarMatcher + the first fill;
 for llguidance grammar_from_json_schema + LLMatcher, then the first fill. A per-token mask is timed
 while a valid output (json.dumps of an instance, Qwen3-tokenized) is fed token by token; the first pass
-is warm-up (totals reported separately), the next --passes are measured. Ours is mask() + apply() on a
+is round 0's cold pass (above), the next --passes are measured. Ours is mask() + apply() on a
 float32 row; theirs is the bitmask fill (mask_*), and fill + xgrammar's CPU apply kernel (mask_apply_*).
 Masks run on one torch thread (--mask-threads); *_cpu_* figures are this thread's CPU time, without the
 time a shared box's scheduler kept it off the core.
@@ -437,40 +443,79 @@ def feed_bitmask(name: str, tokens: list[int], check: bool, bitmask, row, fill, 
             "advance": advance_ns}
 
 
-def bench_case(impls: list, case: str, schema, tokens: list[int], args, base: dict) -> dict[str, dict]:
-    """Per implementation: cold compiles (--compile-reps, median), cached compiles, one warm-up pass; then
-    the measured passes, taking turns (a pass of each in turn), so a change in the box's load hits all alike."""
+def cold_round_variant(schema, instance, nonce: str):
+    """(schema, instance) with the top-level keys renamed by `nonce` (nonce "": the corpus pair itself): a grammar no
+    engine saw before, for a cold round; json_object's grammar has no keys, so only its output changes."""
+    if not nonce:
+        return schema, instance
+
+    def renamed(obj: dict) -> dict:
+        return {f"{k}_{nonce}": v for k, v in obj.items()}
+
+    out = renamed(instance) if isinstance(instance, dict) else instance
+    if isinstance(schema, ForcedTool):
+        return ForcedTool(schema.name, cold_round_variant(schema.parameters, instance, nonce)[0]), out
+    if schema is None or "properties" not in schema:
+        return schema, out
+    return {**schema, "properties": renamed(schema["properties"]),
+            "required": [f"{k}_{nonce}" for k in schema.get("required", [])]}, out
+
+
+def bench_case(impls: list, case: str, schema, instance, tokenizer, args, base: dict) -> dict[str, dict]:
+    """Per implementation: --cold-rounds cold rounds, then cached compiles, then the measured warm passes.
+
+    A cold round is a compile of a schema none of the engines saw (round 0: the corpus schema; then its keys renamed
+    per round) and its first pass over that schema's output, taken in turn (ours, xgrammar, llguidance, then the next
+    round), so a change in the box's load hits all alike; the cold columns are medians over rounds. Then the measured
+    passes over the corpus output, also in turn, on round 0's (now warm) grammar."""
+    rounds = args.cold_rounds
+    handles, colds = {}, {impl.name: [] for impl in impls}
+    tokens = tokenizer.encode(output_text(schema, instance), add_special_tokens=False)
+    for rnd in range(rounds):
+        nonce = f"r{rnd}{time.monotonic_ns() % 100000}" if rnd else ""
+        variant, variant_instance = cold_round_variant(schema, instance, nonce)
+        variant_tokens = tokens if not rnd else tokenizer.encode(output_text(variant, variant_instance),
+                                                                 add_special_tokens=False)
+        for impl in impls:
+            key = f"bench-{case}-{rnd}-{time.monotonic_ns()}"
+            handle, compile_s, first_mask_s = impl.compile(variant, key)
+            began = time.perf_counter()
+            warm = impl.feed(handle, variant_tokens, check=True)
+            colds[impl.name].append((compile_s, first_mask_s, time.perf_counter() - began, warm))
+            if not rnd:
+                handles[impl.name] = handle
     passes = max(args.passes, -(-args.min_samples // (len(tokens) + 1)))
-    rows, handles, measured = {}, {}, {}
+    rows, measured = {}, {}
     for impl in impls:
-        compiles, first_masks = [], []
-        for rep in range(args.compile_reps):
-            key = f"bench-{case}-{rep}-{time.monotonic_ns()}"
-            handles[impl.name], compile_s, first_mask_s = impl.compile(schema, key)
-            compiles.append(compile_s)
-            first_masks.append(first_mask_s)
+        runs = colds[impl.name]
         cached = impl.cached_compile_s(schema, reps=50)
+
+        def cold_ms(pick) -> float:  # the median over rounds
+            return round(statistics.median(pick(*r) for r in runs), 3)
+
         row = {**base, "bench": "guided", "schema": case, "impl": impl.name, "num_output_tokens": len(tokens),
-               "passes": passes, "compile_reps": args.compile_reps, "compile_ms": median_ms(compiles),
-               "compile_ms_first": round(compiles[0] * 1e3, 3), "first_mask_ms": median_ms(first_masks),
-               "ttfm_ms": median_ms([a + b for a, b in zip(compiles, first_masks)]),
+               "passes": passes, "cold_rounds": rounds, "compile_reps": rounds,
+               "compile_ms": cold_ms(lambda c, f, w, m: c * 1e3),
+               "compile_ms_first": round(runs[0][0] * 1e3, 3), "first_mask_ms": cold_ms(lambda c, f, w, m: f * 1e3),
+               "ttfm_ms": cold_ms(lambda c, f, w, m: (c + f) * 1e3),
                "cached_compile_ms": round(percentile(cached, 0.5) * 1e3, 4),
-               "cached_compile_max_ms": round(max(cached) * 1e3, 4)}
-        began = time.perf_counter()
-        warm = impl.feed(handles[impl.name], tokens, check=True)
-        row["warmup_ms"] = round((time.perf_counter() - began) * 1e3, 2)
-        # warm-up: the cold pass (ours builds each configuration's mask the first time it is reached)
-        row.update(warmup_mask_total_ms=round(sum(warm["mask"]) / 1e6, 2),
-                   warmup_mask_max_ms=round(max(warm["mask"]) / 1e6, 2),
-                   warmup_mask_cpu_max_ms=round(max(warm["mask_cpu"]) / 1e6, 2),
-                   warmup_mask_cpu_total_ms=round(sum(warm["mask_cpu"]) / 1e6, 2),
-                   warmup_advance_total_ms=round(sum(warm["advance"]) / 1e6, 2))
-        if "build_cpu" in warm:  # ours: the masks' build alone, without apply() (theirs time the fill alone)
-            build = warm["build_cpu"]
-            row.update(warmup_build_cpu_total_ms=round(sum(build) / 1e6, 2),
-                       warmup_build_cpu_max_ms=round(max(build) / 1e6, 2),
-                       # where the largest cold masks are: output positions (the mask before that token)
-                       warmup_build_cpu_top_at=sorted(range(len(build)), key=build.__getitem__)[-3:][::-1])
+               "cached_compile_max_ms": round(max(cached) * 1e3, 4),
+               "warmup_ms": cold_ms(lambda c, f, w, m: w * 1e3),
+               # the cold pass (ours builds each configuration's mask the first time it is reached), per round
+               "warmup_mask_total_ms": cold_ms(lambda c, f, w, m: sum(m["mask"]) / 1e6),
+               "warmup_mask_max_ms": cold_ms(lambda c, f, w, m: max(m["mask"]) / 1e6),
+               "warmup_mask_cpu_max_ms": cold_ms(lambda c, f, w, m: max(m["mask_cpu"]) / 1e6),
+               "warmup_mask_cpu_total_ms": cold_ms(lambda c, f, w, m: sum(m["mask_cpu"]) / 1e6),
+               "warmup_advance_total_ms": cold_ms(lambda c, f, w, m: sum(m["advance"]) / 1e6),
+               # compile + first pass per round: what the targets' medians and per-round ratios are taken from
+               "cold_ms_rounds": [round((c + sum(m["mask"]) / 1e9) * 1e3, 2) for c, f, w, m in runs],
+               "warmup_mask_max_ms_rounds": [round(max(m["mask"]) / 1e6, 2) for c, f, w, m in runs]}
+        if "build_cpu" in runs[0][3]:  # ours: the masks' build alone, without apply() (theirs time the fill alone)
+            row.update(warmup_build_cpu_total_ms=cold_ms(lambda c, f, w, m: sum(m["build_cpu"]) / 1e6),
+                       warmup_build_cpu_max_ms=cold_ms(lambda c, f, w, m: max(m["build_cpu"]) / 1e6),
+                       # where the largest cold masks are in round 0: output positions (the mask before that token)
+                       warmup_build_cpu_top_at=sorted(range(len(runs[0][3]["build_cpu"])),
+                                                      key=runs[0][3]["build_cpu"].__getitem__)[-3:][::-1])
         rows[impl.name] = row
         measured[impl.name] = []
     for _ in range(passes):
@@ -908,7 +953,10 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5, help="Measured passes over each output (after 1 warm-up).")
     parser.add_argument("--min-samples", type=int, default=300,
                         help="More passes for a short output, up to this many masks per implementation.")
-    parser.add_argument("--compile-reps", type=int, default=3, help="Cold compiles per schema (median reported).")
+    parser.add_argument("--cold-rounds", type=int, default=5,
+                        help="Cold rounds per schema: each engine in turn compiles a schema variant none saw and "
+                             "feeds its first pass; the cold columns are medians over rounds.")
+    parser.add_argument("--compile-reps", type=int, default=None, help="The former name of --cold-rounds.")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=8,
                         help="max_tokens of each decode request (a batch-32 step of the 0.6B shape in float32 takes "
@@ -941,6 +989,8 @@ def main() -> None:
                         help="torch threads for the compile/mask part (0: torch's default). On a shared 2-core box "
                              "a 2-thread fill_ of one row waits milliseconds for the second OpenMP thread.")
     args = parser.parse_args()
+    if args.compile_reps is not None:
+        args.cold_rounds = args.compile_reps
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     run_began = time.perf_counter()
 
@@ -990,7 +1040,7 @@ def main() -> None:
         tokens = tokenizer.encode(text, add_special_tokens=False)
         log.info("%s: %d characters, %d tokens", case, len(text), len(tokens))
         rows = bench_case([i for i in impls if i.name == "rawserve" or not isinstance(schema, ForcedTool)], case,
-                          schema, tokens, args, {**base, "output_chars": len(text)})
+                          schema, instance, tokenizer, args, {**base, "output_chars": len(text)})
         for row in rows.values():
             print(json.dumps(row), flush=True)
         all_rows[case] = rows
@@ -1005,6 +1055,11 @@ def main() -> None:
     print(json.dumps(targets(all_rows, decode_rows + cold_rows, base, time.perf_counter() - run_began)), flush=True)
 
 
+def spread(ratios: list[float]) -> list[float]:
+    """[min, median, max] of sorted per-round ratios."""
+    return [round(ratios[0], 3), round(statistics.median(ratios), 3), round(ratios[-1], 3)]
+
+
 def targets(all_rows: dict, decode_rows: list[dict], base: dict, run_s: float) -> dict:
     out = {**base, "bench": "guided_targets"}
     met = []
@@ -1014,12 +1069,20 @@ def targets(all_rows: dict, decode_rows: list[dict], base: dict, run_s: float) -
         ours, xgr, llg = rows["rawserve"], rows.get("xgrammar"), rows.get("llguidance")
         if not (xgr and llg):
             continue
-        cold = {impl: r["compile_ms"] + r["warmup_mask_total_ms"] for impl, r in rows.items()}
+        # medians over the cold rounds of compile + first pass; the per-round ratios' spread beside them (each round
+        # ran the three engines back to back, so its ratio saw one load)
+        cold = {impl: statistics.median(r["cold_ms_rounds"]) for impl, r in rows.items()}
+        per_round = {peer: sorted(o / p for o, p in zip(ours["cold_ms_rounds"], rows[peer]["cold_ms_rounds"]))
+                     for peer in ("llguidance", "xgrammar")}
         t = {"cold_ms": round(cold["rawserve"], 1), "cold_ms_xgr": round(cold["xgrammar"], 1),
              "cold_ms_llg": round(cold["llguidance"], 1),
              "cold_vs_llg": round(cold["rawserve"] / cold["llguidance"], 3),
              "cold_vs_xgr": round(cold["rawserve"] / cold["xgrammar"], 3),
-             "largest_cold_mask_ms": ours["warmup_mask_max_ms"]}
+             "cold_vs_llg_rounds_min_median_max": spread(per_round["llguidance"]),
+             "cold_vs_xgr_rounds_min_median_max": spread(per_round["xgrammar"]),
+             "cold_rounds": ours["cold_rounds"],
+             "largest_cold_mask_ms": ours["warmup_mask_max_ms"],
+             "largest_cold_mask_cpu_ms": ours["warmup_mask_cpu_max_ms"]}
         t.update(cold_vs_llg_met=t["cold_vs_llg"] <= COLD_VS_LLG, cold_vs_xgr_met=t["cold_vs_xgr"] <= COLD_VS_XGR,
                  largest_cold_mask_met=t["largest_cold_mask_ms"] <= LARGEST_COLD_MASK_MS)
         out[f"cold_{case}"] = t

@@ -41,3 +41,29 @@ def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
     read = [rows[s] for rows in edge_rows for s in rows._tuples]
     assert len(read) > 100
     assert not any(gc.is_tracked(row) for row in read)
+
+
+def test_rows_read_before_are_read_at_c_level_even_when_empty(vocab, monkeypatch):
+    """Once a packed state's rows were read, the automaton reads them again through the C-level reader
+    (PackedRows.reader), empty ones too: most states have no byte or token edges, and a falsy row sent every read
+    of those to PackedRows.__getitem__."""
+    compiled = pickle.loads(pickle.dumps(compile_grammar(GRAMMARS["schema"], "c_level_reads")))
+    runtime = GrammarRuntime(compiled, vocab)
+    check_every_place(runtime, vocab, TEXTS["schema"])
+    a = runtime.automaton
+    configs = range(1, a.num_configs)
+    for cid in configs:  # every row these read is read once (and kept)
+        a._edges(cid)
+        a.next_token[cid] = {}
+        a.allowed_tokens(cid)
+    assert any(not compiled.byte_edges[s] for cid in configs for s, _ in a.configs[cid] if s != a.mark)
+    reads = []
+    getitem = PackedRows.__getitem__
+    monkeypatch.setattr(PackedRows, "__getitem__", lambda rows, s: reads.append(s) or getitem(rows, s))
+    edges = {cid: a._edges(cid) for cid in configs}
+    for cid in configs:
+        a.next_token[cid] = {}
+        a.allowed_tokens(cid)
+    assert reads == []
+    monkeypatch.undo()
+    assert sum(map(len, edges.values())) > 100

@@ -10,8 +10,8 @@ from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.json_strings import CHAR, STRING, STRING_BODY
 from rawserve.engine.guided.counted_tail import counted_tokens
-from rawserve.engine.guided.lexemes import (SHIFT_SPARE, StringLexeme, opening_quotes, prepare_string_lexemes,
-                                            string_lexeme, string_lexer)
+from rawserve.engine.guided.lexemes import (SHIFT_SPARE, StringLexeme, alive_bytes, opening_quotes,
+                                            prepare_string_lexemes, string_lexeme, string_lexer)
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.vocab import VocabIndex
@@ -311,3 +311,24 @@ def test_pairings_read_runs_without_building_rows(vocab):
             assert all(row[b] == nxt for (lo, hi, _), nxt in zip(segments, nexts) for b in range(lo, hi + 1))
             a.next_byte[c] = UNEXPANDED  # as it was, for the next lexer state (its successors stay interned)
     assert num_read > 50 and num_refused > 10
+
+
+@pytest.mark.parametrize("name", ["json_object", "schema"])  # top_level's walks build every row they refuse
+def test_configurations_no_lexer_state_could_take_are_refused_from_their_edges(vocab, name):
+    """LexemeWalk.match refuses a configuration whose byte edges cover no lexer state's alive bytes without building
+    its row (a key's, an enum's, a number's), and only such ones: the bytes a row leads on from are among its edges'
+    (Automaton.edge_bytes), so what the edges refuse the row would refuse too. Masks stay exact."""
+    runtime = GrammarRuntime(compile_grammar(GRAMMARS[name], f"edges_{name}"), vocab)
+    check_every_place(runtime, vocab, TEXTS[name])
+    a = runtime.automaton
+    lexer = string_lexer()
+    refused = [cid for cid, matched in runtime._lexeme._matched.items() if matched is None]
+    unbuilt = [cid for cid in refused if a.next_byte[a.truncate(cid, 0)][0] < 0]
+    assert len(unbuilt) >= 3, (len(refused), len(unbuilt))
+    for cid in range(1, a.num_configs):
+        covered = a.edge_bytes(cid)
+        row = a.expand(cid)
+        alive = sum(1 << b for b in range(256) if row[b] != DEAD)
+        assert alive & ~covered == 0, cid  # every byte the row leads on from is an edge's
+    for cid in unbuilt:  # built now (above): no lexer state takes the bytes its row does
+        assert alive_bytes(a.expand(a.truncate(cid, 0))) not in lexer.by_alive, cid

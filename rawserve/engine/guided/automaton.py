@@ -380,12 +380,30 @@ class Automaton:
             out.append(nxt)
         return out
 
+    def edge_bytes(self, cid: int) -> int:
+        """The bytes some byte edge of cid's threads takes, as a bitmask (bit b: byte b): those its row may lead on
+        from (a superset of the alive ones), read without building the row."""
+        covered = 0
+        for lo, hi, _, _ in self._edges(cid):
+            covered |= (1 << (hi + 1)) - (1 << lo)
+        return covered
+
     def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
         """(lo, hi, target state, stack id) of every byte edge of cid's threads."""
         byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
         read = row_reader(byte_edges)
-        return [(lo, hi, t, sid) for s, sid in self.configs[cid]
-                for lo, hi, t in (any_byte if s == mark else read(s) or byte_edges[s])]
+        edges = []
+        for s, sid in self.configs[cid]:
+            if s == mark:
+                row = any_byte
+            else:
+                # None, not a falsy row, sends the read to rows[s]: a state without byte edges has an empty row,
+                # and `read(s) or rows[s]` sent every read of one to PackedRows.__getitem__
+                row = read(s)
+                if row is None:
+                    row = byte_edges[s]
+            edges += [(lo, hi, t, sid) for lo, hi, t in row]
+        return edges
 
     def step_some(self, cid: int, data: Iterable[int]) -> tuple[int, ...] | dict[int, int]:
         """cid's next configurations for the bytes of `data` alone (its whole row when expanded): a tail walk
@@ -433,10 +451,12 @@ class Automaton:
             return cache
         moves: dict[int, list[tuple[int, int]]] = {}
         token_edges = self.g.token_edges
+        read = row_reader(token_edges)
         for s, sid in self.configs[cid]:
             if s == self.mark:
                 continue
-            for token_id, t in token_edges[s]:
+            row = read(s)  # most states have no token edges: their empty row read at C level, as _edges reads
+            for token_id, t in (token_edges[s] if row is None else row):
                 moves.setdefault(token_id, []).append((t, sid))
         for token_id, threads in moves.items():
             cache[token_id] = self._intern(self._closure(threads))
