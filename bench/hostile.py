@@ -3,8 +3,8 @@
 Each case is raw bytes a client may send and the statuses it may get; none may be a 5xx, and the engine must
 still answer an ordinary request after it. `python -m bench.hostile [--seconds 60] [--concurrency 64]` fires the
 catalog once, then soaks the server with bench.soak's mixed traffic with every catalog case in the mix, and
-prints JSON lines (one per catalog case that failed, then the result). tests/api/test_hostile.py runs the catalog
-in the suite; tests/test_soak.py runs a short soak that includes it.
+prints JSON lines (one per catalog case that failed, then the result). tests/test_soak.py fires the catalog in the
+suite, then runs a short soak that includes it, on the same server.
 """
 from __future__ import annotations
 

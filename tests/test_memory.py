@@ -220,10 +220,17 @@ def cgroups():
 LIMIT = 600 * MIB
 
 
-def test_32_streams_complete_in_a_600_mib_cgroup(tmp_path, cgroups):
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory) -> pathlib.Path:
+    """container_checkpoint in bfloat16, as ../shared/peers writes it for llama.cpp (4 s to write: written once,
+    read by both servers below)."""
+    return container_checkpoint(tmp_path_factory.mktemp("container"), "bfloat16")
+
+
+def test_32_streams_complete_in_a_600_mib_cgroup(bf16_checkpoint, cgroups):
     cgroup, peak_file = child_cgroup(f"rawserve-test-{os.getpid()}-serve", LIMIT)
     cgroups.append(cgroup)
-    model_dir = container_checkpoint(tmp_path, "bfloat16")  # as ../shared/peers writes it for llama.cpp
+    model_dir = bf16_checkpoint
     with serve_in(cgroup, model_dir, "--max-num-seqs", "32", "--max-model-len", "256") as server:
         summary = next(line for line in server.lines if "listening on" in line and "serving" in line)
         # dtype auto: bf16 where the CPU has it natively, else float32 (16 MiB of KV for 32 x 256 tokens)
@@ -248,10 +255,10 @@ def test_32_streams_complete_in_a_600_mib_cgroup(tmp_path, cgroups):
         assert peak <= LIMIT
 
 
-def test_a_limit_too_small_for_the_weights_is_refused_at_start_with_the_numbers(tmp_path, cgroups):
+def test_a_limit_too_small_for_the_weights_is_refused_at_start_with_the_numbers(bf16_checkpoint, cgroups):
     cgroup, _ = child_cgroup(f"rawserve-test-{os.getpid()}-small", 300 * MIB)
     cgroups.append(cgroup)
-    model_dir = container_checkpoint(tmp_path, "bfloat16")
+    model_dir = bf16_checkpoint
     with pytest.raises(AssertionError) as error:
         serve_in(cgroup, model_dir, "--max-num-seqs", "32", "--max-model-len", "256")
     log = str(error.value)

@@ -23,6 +23,7 @@ from rawserve.engine.launch import spawn_context
 from rawserve.engine.messages import MsgKind
 from rawserve.engine.types import SamplingParams
 from rawserve.process_stats import HeapRelease
+from tests.echo_child import echo
 from tests.test_memory import burst, container_checkpoint
 
 pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="needs /proc")
@@ -103,17 +104,12 @@ def test_heap_release_falls_due_once_per_idle_spell_and_not_too_often():
     assert not heap.run_if_due(13.0) and heap.wait_s(13.0, 1.0) == 1.0
 
 
-def _echo(rx, tx) -> None:  # the spawned child: one batch back, then end of file
-    tx.send(rx.recv(30))
-    tx.close()
-
-
 @pytest.mark.parametrize("transport", ["pipe", "queue"])
 def test_a_child_spawned_without_the_resource_tracker_talks_over_either_transport(transport):
     context = spawn_context()
     in_tx, in_rx = make_channel(transport, context)
     out_tx, out_rx = make_channel(transport, context)
-    child = context.Process(target=_echo, args=(in_rx, out_tx), daemon=True)
+    child = context.Process(target=echo, args=(in_rx, out_tx), daemon=True)
     child.start()
     try:
         deadline, command = time.monotonic() + 10, ""

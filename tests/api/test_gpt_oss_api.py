@@ -49,6 +49,7 @@ def gpt_oss_dir(tmp_path_factory):
     write_harmony_tokenizer(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": HARMONY_EOS_IDS,
                                                                   "bos_token_id": 199998}))
+    checkpoints.reuse_vocab_index(directory, HARMONY_VOCAB_SIZE)  # the core's index build at start, across runs
     return directory
 
 

@@ -202,25 +202,6 @@ def test_a_bad_schema_does_not_disturb_a_running_stream(client, server):
     assert rest[-1].choices[0].finish_reason == "length"
 
 
-def test_grammars_compile_in_a_worker_process_that_stops_with_the_server(large_vocab_model_dir):
-    srv = ServerThread(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=64,
-                                    max_model_len=512),
-                       ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[]))
-    try:
-        before = {p.pid for p in multiprocessing.active_children()}
-        status, data = raw(srv, "POST", "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[ab]{4}"}).encode(),
-            "content-type: application/json\r\n")
-        assert status == 200 and re.fullmatch("[ab]{4}", json.loads(data)["choices"][0]["text"])
-        workers = [p for p in multiprocessing.active_children() if p.pid not in before]
-        assert workers and all(p.is_alive() for p in workers)
-    finally:
-        srv.stop()
-    for p in workers:
-        p.join(30)
-        assert not p.is_alive()
-
-
 def post_timed(server, path: str, body: dict) -> tuple[int, dict, float]:
     start = time.monotonic()
     status, data = raw(server, "POST", path, json.dumps(body).encode(), "content-type: application/json\r\n")
@@ -252,14 +233,20 @@ def compile_workers() -> set[int]:
     return {p.pid for p in multiprocessing.active_children() if p.name == "rawserve-compile"}
 
 
-def test_a_compile_past_its_deadline_is_a_400_and_its_worker_is_replaced(large_vocab_model_dir):
+def test_grammars_compile_in_workers_a_late_one_is_replaced_and_all_stop_with_the_server(large_vocab_model_dir):
+    # One server for both: grammars compile in worker processes that stop with the server; a compile past its
+    # deadline is a 400 and its worker is replaced.
     srv = ServerThread(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=64,
                                     max_model_len=512),
                        ServerConfig(port=0, served_model_name=MODEL, engine_mode="thread", api_key=[],
                                     guided_compile_timeout_s=0.3, guided_compile_workers=1))
+    before_server = {p.pid for p in multiprocessing.active_children()}  # the module's server has workers here too
     try:
         small = {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": "[ab]{4}"}
-        assert post_timed(srv, "/v1/completions", small)[0] == 200
+        status, reply, _ = post_timed(srv, "/v1/completions", small)
+        assert status == 200 and re.fullmatch("[ab]{4}", reply["choices"][0]["text"])
+        workers = [p for p in multiprocessing.active_children() if p.pid not in before_server]
+        assert workers and all(p.is_alive() for p in workers)
         before = compile_workers()
         # Within every limit (249,977 automaton states), and about a second of compiling: past the deadline. (The
         # empty alternative keeps every copy built: a run of copies that each take a byte is mostly virtual.)
@@ -267,9 +254,13 @@ def test_a_compile_past_its_deadline_is_a_400_and_its_worker_is_replaced(large_v
         status, reply, took_s = post_timed(srv, "/v1/completions", slow)
         assert status == 400 and reply["error"]["param"] == "guided_regex", reply
         assert "did not compile within 0.3 s" in reply["error"]["message"] and took_s < 10
-        after = compile_workers()  # (the module's server has its own workers, in this process too)
+        after = compile_workers()
         assert len(before - after) == 1 and len(after - before) == 1  # killed, and another started in its place
         status, reply, _ = post_timed(srv, "/v1/completions", {**small, "guided_regex": "[cd]{4}"})
         assert status == 200 and re.fullmatch("[cd]{4}", reply["choices"][0]["text"])
+        workers = [p for p in multiprocessing.active_children() if p.pid not in before_server]
     finally:
         srv.stop()
+    for p in workers:
+        p.join(30)
+        assert not p.is_alive()

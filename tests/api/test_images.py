@@ -278,10 +278,17 @@ def test_metrics_count_images_and_the_encoder(server):
     assert chat(server, image_part("data:image/png;base64,AAAA"))[0] == 400  # refused: not counted
     assert metric(server, 'mm_items_received_total{model_name="%s",modality="image"}' % MODEL) == before + 2
     wait_idle(server)
-    time.sleep(1.5)  # the core's stats come with its next report (each step, and at least every second)
+
     # the same image twice in one prompt: the core's encoder cache answers the second (its half of the counters)
-    assert metric(server, "mm_encoder_cache_misses_total") >= 1 and metric(server, "mm_encoder_cache_hits_total") >= 1
-    assert metric(server, "mm_encoder_seconds_total") > 0
+    def counted() -> bool:
+        return (metric(server, "mm_encoder_cache_misses_total") >= 1 and metric(server, "mm_encoder_cache_hits_total")
+                >= 1 and metric(server, "mm_encoder_seconds_total") > 0)
+
+    # the core's stats come with its next report (each step, and at least every second): polled, 1.5 s at most
+    deadline = time.monotonic() + 1.5
+    while not counted() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counted()
 
 
 def rss_kib() -> int:

@@ -1,24 +1,20 @@
 """The OpenAI server end to end: real sockets, the official openai SDK, the demo checkpoint on disk.
 
-The server runs on its own event loop in a thread (engine core in a thread); one test runs the real
-`python -m rawserve` with the core in a spawned process and stops it with SIGTERM.
+The server runs on its own event loop in a thread (engine core in a thread). (The real `python -m rawserve`, its
+core in a spawned process and stopped with SIGTERM, is tests/test_cli.py's TLS test.)
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from rawserve.config import EngineConfig, ServerConfig
-from tests.spawned import listening_port
 
 openai = pytest.importorskip("openai")
 
@@ -271,24 +267,6 @@ def test_tool_call_output_accumulates_into_openai_message():
     assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert message["content"] == "Sure."
-
-
-def test_python_m_rawserve_serves_with_a_process_core_and_drains_on_sigterm(demo_dir):
-    proc = subprocess.Popen([sys.executable, "-m", "rawserve", "--model-dir", str(demo_dir), "--port", "0",
-                             "--served-model-name", MODEL, "--num-kv-blocks", "64", "--max-model-len", "512"],
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        port = listening_port(proc)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        r = c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4)
-        assert r.usage.completion_tokens == 4
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
 
 
 def test_repeated_prompt_reports_prefix_cache_hits_and_cache_salt_isolates(server):

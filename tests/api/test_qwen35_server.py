@@ -26,6 +26,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": 
 
 @pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory):
+    from tests.checkpoints import reuse_vocab_index
     from tests.qwen35_checkpoints import make_qwen35_checkpoint
 
     tokenizer = fixture_path("qwen35-tokenizer")
@@ -35,6 +36,7 @@ def qwen35_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, directory / name)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 248044]}))
+    reuse_vocab_index(directory, 248320)  # the core's 5-20 s index build, shared with the VL checkpoints' (same files)
     return directory
 
 

@@ -1,13 +1,9 @@
 """--kv-cache-dtype: the pool is stored in the chosen dtype and planned by its bytes; a float32 model's outputs with
 half-precision or fp8 storage stay near the float32 cache's; prefix-cache hits and chunked prefill still give a
-cold run's ids; the flag validates; the triton kernels cast on write and on read (under TRITON_INTERPRET=1).
+cold run's ids; the flag validates; the triton kernels cast on write and on read (under TRITON_INTERPRET=1:
+tests/engine/triton/kv_dtype_cases.py).
 """
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import pathlib
 
 import pytest
 import torch
@@ -16,7 +12,6 @@ from rawserve.config import EngineConfig, build_parser
 from rawserve.engine.step_plan import ForwardBatch, StepInput
 from rawserve.engine.types import SamplingParams
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 STORED = {"auto": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Largest |logit - float32 cache's logit| on the tiny random model (logits within +-0.7) over a chunked prompt.
@@ -123,51 +118,7 @@ def test_startup_summary_names_the_kv_dtype(tiny_qwen3_dir):
     assert "KV cache 256 tokens (16 blocks of 16, 0.1 MiB, fp8_e4m3)" in line
 
 
-def triton_cases() -> None:
-    """Run in a subprocess under TRITON_INTERPRET=1 (test_triton_kernels_cast_on_write_and_read): write_kv stores
-    exactly what kv_dtype.to_cache stores, and decode/prefill over such a cache match the float32 reference over
-    the same stored values."""
-    from rawserve.engine.attention import triton_kernels as tk
-
-    g = torch.Generator().manual_seed(0)
-    block, heads, kv_heads, dim = 16, 4, 2, 32
-    seq_lens = [40, 1, 21]
-    tables = torch.randperm(12, generator=g)[:9].view(3, 3)
-    for act in (torch.float32, torch.bfloat16):
-        for stored in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-            if stored == act:
-                continue
-            k_cache = torch.zeros((12, block, kv_heads, dim), dtype=stored)
-            v_cache = torch.zeros_like(k_cache)
-            slots = torch.cat([tables[i, torch.arange(n) // block] * block + torch.arange(n) % block
-                               for i, n in enumerate(seq_lens)])
-            # magnitudes 1e-6 .. 1e3: subnormals and fp8's saturation included
-            scale = torch.logspace(-6, 3, slots.numel()).view(-1, 1, 1)
-            k = (torch.randn((slots.numel(), kv_heads, dim), generator=g) * scale).to(act)
-            v = torch.randn((slots.numel(), kv_heads, dim), generator=g).to(act)
-            tk.write_kv(k, v, k_cache, v_cache, slots)
-            ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-            tk.reference_write_kv(k, v, ref_k, ref_v, slots)
-            assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8)), (act, stored)
-            assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8)), (act, stored)
-            k_cache.copy_(torch.randn(k_cache.shape, generator=g).to(stored))  # attention over moderate keys
-            q = torch.randn((sum(seq_lens), heads, dim), generator=g).to(act)
-            starts = [0, 40, 41, 62]
-            reference = tk.reference_attention(q, k_cache, v_cache, tables, seq_lens, starts, 0.2)
-            out = torch.zeros_like(q)
-            tk.prefill_attention(q, k_cache, v_cache, out, tables, torch.tensor(seq_lens),
-                                 torch.tensor(starts, dtype=torch.int32), torch.tensor([0, 2]), 40, 0.2)
-            tk.decode_attention(q, k_cache, v_cache, out, tables, torch.tensor(seq_lens), torch.tensor([40]),
-                                torch.tensor([1]), 0.2)
-            tol = 1e-5 if act == torch.float32 else 3e-2
-            assert torch.allclose(out.float(), reference, atol=tol, rtol=tol), (act, stored)
-    print("triton kv dtype cases passed")
-
-
-def test_triton_kernels_cast_on_write_and_read():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    code = "import tests.engine.test_kv_dtype as cases; cases.triton_cases()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    tail = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if "leaked" not in line)[-3000:]
-    assert proc.returncode == 0 and "triton kv dtype cases passed" in proc.stdout, tail
+@pytest.mark.triton_cases("kv_dtype_cases.py")
+def test_triton_kernels_cast_on_write_and_read(triton_case_result):
+    """tests/engine/triton/kv_dtype_cases.py, under TRITON_INTERPRET=1 in a subprocess (tests/conftest.py)."""
+    assert triton_case_result.passed and not triton_case_result.problems, "\n".join(triton_case_result.problems)

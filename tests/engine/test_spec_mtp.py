@@ -126,21 +126,22 @@ def test_the_mtp_layer_reads_each_accepted_tokens_target_hidden_state(random_mtp
         assert (row - hidden[position]).abs().max() < 1e-3, position
 
 
-def test_a_spawned_core_drafting_with_mtp_answers_as_the_plain_server(tmp_path, large_vocab_tokenizer_dir):
+def test_a_spawned_core_drafting_with_mtp_answers_as_the_plain_server(tmp_path):
     """Through real sockets, the core in its own process: the same completion and usage as a plain server, with
     the MTP drafts accepted (vLLM's spec_decode counters on /metrics)."""
     import shutil
     import urllib.request
 
     from rawserve.config import EngineConfig, ServerConfig
+    from rawserve.demo_model import TOKENIZER_VOCAB_SIZE, ensure_demo_model
     from tests.api.test_openai_server import ServerThread, wait_idle
-    from tests.checkpoints import QWEN_VOCAB_SIZE
 
+    # The demo model's tokenizer (2,000 tokens): a server starts in a fraction of a 151k-token vocabulary's time
     directory = make_qwen35_checkpoint(tmp_path / "m", initializer_range=0.1, bigram=True, tied=False,
-                                       vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=256)
+                                       vocab_size=TOKENIZER_VOCAB_SIZE, max_position_embeddings=256)
     add_mtp_block(directory, predicts_next=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(large_vocab_tokenizer_dir / name, directory / name)
+        shutil.copy(ensure_demo_model() / name, directory / name)
     common = dict(model_dir=str(directory), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256)
     plain = ServerThread(EngineConfig(**common), ServerConfig(port=0, served_model_name="m", api_key=[]))
     spec = ServerThread(EngineConfig(**common, speculative_config=mtp(3)),

@@ -1,46 +1,24 @@
-"""The triton attention backend: its kernel and engine cases (tests/engine/triton/) run in a subprocess, on a CPU
-under TRITON_INTERPRET=1 (it must be set before triton is imported, and must not leak into this process), on
-CUDA tensors when a GPU is present. Here too: the backend refuses what it cannot run, with the flag named.
+"""The triton attention backend: its kernel and engine cases (tests/engine/triton/) run in a subprocess (one for
+every case file of the session, tests/conftest.py triton_case_result), on a CPU under TRITON_INTERPRET=1 (it must
+be set before triton is imported, and must not leak into this process), on CUDA tensors when a GPU is present.
+Here too: the backend refuses what it cannot run, with the flag named.
 """
 from __future__ import annotations
-
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from rawserve.config import EngineConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-CASES = pathlib.Path(__file__).resolve().parent / "triton"
+
+@pytest.mark.triton_cases("kernel_cases.py")
+def test_kernels_match_their_torch_references(triton_case_result):
+    assert triton_case_result.passed and not triton_case_result.problems, "\n".join(triton_case_result.problems)
 
 
-def run_cases(name: str) -> None:
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(CASES / name)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    # triton's bindings print reference-leak notes at interpreter exit: noise, kept out of the report
-    def clean(text: str) -> list[str]:
-        return [line for line in text.splitlines() if "leaked" not in line and not line.startswith(" - ")]
-
-    out = clean(proc.stdout)
-    report = "\n".join(out[-40:] + clean(proc.stderr)[-20:])
-    assert proc.returncode == 0, report
-    summary = out[-1] if out else ""
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, report
-
-def test_kernels_match_their_torch_references():
-    run_cases("kernel_cases.py")
-
-
-def test_engine_on_triton_gives_the_torch_backends_greedy_ids():
-    run_cases("backend_cases.py")
+@pytest.mark.triton_cases("backend_cases.py")
+def test_engine_on_triton_gives_the_torch_backends_greedy_ids(triton_case_result):
+    assert triton_case_result.passed and not triton_case_result.problems, "\n".join(triton_case_result.problems)
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused_before_loading(tiny_qwen3_dir):
