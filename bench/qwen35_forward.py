@@ -11,7 +11,8 @@ explicitly when wanted). Not zeros: from zero states this random model's decode 
 (a 1-row step took 300-1,000 ms against 60, every op slowed, the linears too), which a prompt's states do not.
 Memory per sequence (states + KV) is computed from the shapes. --decode-attention auto,sdpa times each decode row
 both ways, alternating (auto: the engine's pick, long_decode.takes_long_path: the long-context
-path from long_decode.LONG_DECODE_TOKENS on, or for a large enough batch; sdpa: the batched SDPA at every length).
+path from long_decode.LONG_DECODE_TOKENS on, or for a large enough batch; sdpa: the batched SDPA at every length;
+long: the long-context path at every length).
 """
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="64")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--decode-attention", default="auto", help="auto, sdpa, or both: auto,sdpa")
+    parser.add_argument("--decode-attention", default="auto", help="auto, sdpa, long, or several: auto,sdpa")
     parser.add_argument("--prefill-chunk", default="0",
                         help="prefill in steps of this many tokens (--max-num-batched-tokens; 0: one step), or "
                              "several: 2048,0")
@@ -168,7 +169,7 @@ def main() -> None:
     batch_rows = [int(n) for n in args.rows.split(",") if n]
     modes = args.decode_attention.split(",")
     thresholds = {"auto": (long_decode.LONG_DECODE_TOKENS, long_decode.BATCH_LONG_TOKENS),
-                  "sdpa": (1 << 62, 1 << 62)}
+                  "sdpa": (1 << 62, 1 << 62), "long": (0, 0)}
 
     def use(mode: str) -> None:
         long_decode.LONG_DECODE_TOKENS, long_decode.BATCH_LONG_TOKENS = thresholds[mode]
