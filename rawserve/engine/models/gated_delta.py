@@ -421,10 +421,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
     q, k: [T, Hv, dk] float32, normalised, q scaled (key heads already repeated for grouped value heads);
     v: [T, Hv, dv] float32; g (log decay), beta: [T, Hv] float32; recurrent: [num_slots, Hv, dk, dv] float32.
-    -> [T, Hv, dv] float32."""
-    if plan.all_decode and plan.slot_run is not None:  # the usual decode step: every row in place, in order
-        first = plan.slot_run
-        return recurrent_step(recurrent[first:first + plan.num_tokens], q, k, v, g, beta)
+    -> [T, Hv, dv] float32. (A step of decodes only takes delta_decode.decode_rule_at instead:
+    GatedDeltaNetLayer.decode; here its rows go the decode_span way like any step's decode rows.)"""
     out = v.new_empty(v.shape)  # [T, H, dv]: each group's rows, then the decode rows, written below
     # gathers and scatters over [slots, state] rows: a 4-D index_select copied rows several times slower
     pool = recurrent.view(recurrent.shape[0], -1)
