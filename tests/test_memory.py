@@ -285,3 +285,9 @@ def test_the_demo_model_gets_its_own_pool_defaults_unless_a_flag_or_the_environm
     config, _ = configs_from_args(build_parser(environ={}).parse_args(["--max-model-len=512"]))
     assert "--max-num-seqs 32 by" in apply_demo_defaults(config, ["--max-model-len=512"])
     assert (config.max_num_seqs, config.max_model_len) == (32, 512)
+
+
+def test_mib_keeps_a_small_size_visible():
+    # a tiny hybrid's state slot (0.39 MiB) read "512 state slots of 0 MiB = 201 MiB" in the startup line
+    assert memory.mib(0.39 * MIB) == "0.39 MiB" and memory.mib(4 * MIB) == "4 MiB"
+    assert memory.mib(9.5 * MIB) == "9.50 MiB" and memory.mib(12.4 * MIB) == "12 MiB" and memory.mib(0) == "0 MiB"

@@ -510,9 +510,16 @@ def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: to
     return None
 
 
+# What a set-aside prefix holds, for load_weights' log line: a user reading "set aside" should not think the
+# vision tower of a checkpoint serving images was dropped.
+SET_ASIDE_PARTS = {"model.visual.": "the vision tower, loaded apart when images are served",
+                   "mtp.": "the MTP head, read by --speculative-config method mtp",
+                   "model.mtp.": "the MTP head, read by --speculative-config method mtp"}
+
+
 def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapped: frozenset[str] = frozenset(),
                  on_filled: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                 set_aside: tuple[str, ...] = ()) -> None:
+                 set_aside: tuple[str, ...] = (), log_set_aside: bool = True) -> None:
     """Copy every checkpoint tensor into its target slice, converting dtype, one tensor at a time.
 
     `targets` maps checkpoint names to (parameter, row_start, row_end). Every target must be filled.
@@ -520,10 +527,12 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
     A parameter left on the meta device is never allocated: its slices go into a float32 matrix that lives
     until its last slice arrives, then on_filled(parameter, matrix) takes it (--quantization).
     `set_aside`: name prefixes of tensors the checkpoint may carry for parts not served (Qwen3.5's vision tower
-    and MTP head, HybridConfig.set_aside_prefixes): skipped unread, counted in the log, never an error.
+    and MTP head, HybridConfig.set_aside_prefixes): skipped unread, never an error, and counted in the log by the
+    part they belong to (SET_ASIDE_PARTS) unless `log_set_aside` is False (a part's own load: the vision tower
+    and the MTP head set aside everything else).
     """
     missing = set(targets)
-    num_set_aside = 0
+    set_aside_counts: dict[str, int] = {}  # prefix -> tensors skipped under it
     pending: dict[int, tuple[torch.Tensor, int]] = {}  # id(meta parameter) -> (dense matrix, rows still to come)
     files = safetensors_files(model_dir)
     progress = Progress(f"loading weights from {len(files)} file(s)", sum(f.stat().st_size for f in files), log)
@@ -538,7 +547,8 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
                 target = targets.get(name)
                 if target is None:
                     if set_aside and entry.name.startswith(set_aside):
-                        num_set_aside += 1
+                        prefix = next(p for p in set_aside if entry.name.startswith(p))
+                        set_aside_counts[prefix] = set_aside_counts.get(prefix, 0) + 1
                         progress.update(entry.num_bytes)
                         continue
                     if not entry.name.endswith(_IGNORED_SUFFIXES) and entry.name != "lm_head.weight" \
@@ -573,8 +583,10 @@ def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapp
                 missing.discard(name)
                 progress.update(entry.num_bytes)
     progress.close()
-    if num_set_aside:
-        log.info("%d checkpoint tensors set aside (%s: not served by this model)", num_set_aside, ", ".join(set_aside))
+    if set_aside_counts and log_set_aside:
+        log.info("checkpoint tensors left to other parts: %s", ", ".join(
+            f"{count} {prefix}* ({SET_ASIDE_PARTS.get(prefix, 'not served by this model')})"
+            for prefix, count in set_aside_counts.items()))
     if missing:
         names = ", ".join(sorted(missing)[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{model_dir}: missing tensors {names} ({len(missing)} in all)")

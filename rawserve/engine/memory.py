@@ -23,7 +23,9 @@ class Headroom:
 
 
 def mib(num_bytes: float) -> str:
-    return f"{num_bytes / MIB:.0f} MiB"
+    """Whole MiB, or two decimals under 10 MiB that are not 0 (a tiny model's state slot is 0.39 MiB, not "0")."""
+    value = num_bytes / MIB
+    return f"{value:.2f} MiB" if 0 < value < 10 and round(value) != value else f"{value:.0f} MiB"
 
 
 def _read(path: pathlib.Path) -> str | None:

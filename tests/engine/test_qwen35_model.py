@@ -3,6 +3,7 @@ prefill continuing from saved states, greedy decode, and mixed batches; and its 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import CheckpointError, read_model_config
 from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import load_qwen35_model
+from rawserve.engine.models.vision import load_vision_tower
 from rawserve.engine.quant import probe_plan
 from rawserve.engine.step_plan import StepInput
 from tests.qwen35_checkpoints import load_hf_qwen35, make_qwen35_checkpoint
@@ -220,11 +222,20 @@ def test_config_reads_both_forms_and_layer_kinds(checkpoint):
     assert model.num_kv_layers == 2 and len(model.allocate_states(3, torch.device("cpu"))) == 6
 
 
-def test_an_unknown_tensor_is_still_an_error_while_vision_and_mtp_are_set_aside(tmp_path):
+def test_an_unknown_tensor_is_still_an_error_while_vision_and_mtp_are_set_aside(tmp_path, caplog):
     from safetensors.torch import save_file
 
     path = make_qwen35_checkpoint(tmp_path / "ckpt", conditional=True)  # carries model.visual.* and mtp.*
-    load_qwen35_model(path, torch.float32, torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="rawserve.engine"):
+        load_qwen35_model(path, torch.float32, torch.device("cpu"))
+    # the log names what each set-aside part is (a vision checkpoint serving images must not read as "dropped")
+    [line] = [r.getMessage() for r in caplog.records if "left to other parts" in r.getMessage()]
+    assert "model.visual.* (the vision tower" in line and "mtp.* (the MTP head" in line, line
+    assert "model.language_model." not in line
+    caplog.clear()  # the tower's own load sets aside the text stack, and says nothing of it
+    with caplog.at_level(logging.INFO, logger="rawserve.engine"):
+        load_vision_tower(path, read_model_config(path), torch.float32, torch.device("cpu"))
+    assert not [r for r in caplog.records if "left to other parts" in r.getMessage()]
     save_file({"model.language_model.extra.weight": torch.zeros(2)}, str(path / "model-extra.safetensors"))
     index = json.loads((path / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.language_model.extra.weight"] = "model-extra.safetensors"

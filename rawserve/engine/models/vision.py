@@ -174,7 +174,7 @@ class VisionTower(nn.Module):
         conv = torch.empty((self.cfg.hidden_size, 3, self.cfg.temporal_patch_size, self.cfg.patch_size,
                             self.cfg.patch_size), dtype=self.dtype, device=self.patch_weight.device)
         targets = {**self.targets(), f"{self.prefix}patch_embed.proj.weight": (conv, 0, conv.shape[0])}
-        load_weights(model_dir, targets, set_aside=set_aside)
+        load_weights(model_dir, targets, set_aside=set_aside, log_set_aside=False)
         self.patch_weight.data.copy_(conv.reshape(self.cfg.hidden_size, -1))
 
     def prepack(self) -> None:

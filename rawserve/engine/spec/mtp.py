@@ -97,7 +97,8 @@ def load_mtp_head(runner: ModelRunner) -> MTPHead:
                          f"{' ...' if len(missing) > 4 else ''} ({len(missing)} of the MTP block's tensors)")
     head.to_empty(device=runner.device)  # new parameters: the targets are taken again
     try:
-        load_weights(runner.config.model_dir, head.targets(), set_aside=("",))  # every tensor but the MTP block's
+        # every tensor but the MTP block's is set aside
+        load_weights(runner.config.model_dir, head.targets(), set_aside=("",), log_set_aside=False)
     except CheckpointError as error:
         raise ValueError(f"--speculative-config: method mtp: {error}") from None
     head.finish_load()
