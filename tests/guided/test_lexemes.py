@@ -10,7 +10,7 @@ from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.json_strings import CHAR, STRING, STRING_BODY
 from rawserve.engine.guided.counted_tail import counted_tokens
-from rawserve.engine.guided.lexemes import (SHIFT_SPARE, StringLexeme, alive_bytes, opening_quotes,
+from rawserve.engine.guided.lexemes import (SHIFT_SPARE, StringLexeme, opening_quotes,
                                             prepare_string_lexemes, string_lexeme, string_lexer)
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
@@ -331,4 +331,4 @@ def test_configurations_no_lexer_state_could_take_are_refused_from_their_edges(v
         alive = sum(1 << b for b in range(256) if row[b] != DEAD)
         assert alive & ~covered == 0, cid  # every byte the row leads on from is an edge's
     for cid in unbuilt:  # built now (above): no lexer state takes the bytes its row does
-        assert alive_bytes(a.expand(a.truncate(cid, 0))) not in lexer.by_alive, cid
+        assert a.alive_runs(a.truncate(cid, 0)) not in lexer.by_alive, cid

@@ -5,7 +5,7 @@ pushdown automaton whose reachable part is built only as far as outputs go. Pure
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.nfa_rows import has_edges, row_reader
@@ -17,6 +17,18 @@ DEAD = 0  # configuration id of the empty set: no thread survives
 # tuple of ints is untracked at its first collection.
 UNEXPANDED = (-1,) * 256
 DEAD_ROW = (DEAD,) * 256
+
+
+def row_alive_runs(row: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The maximal byte runs [begin, end) where a row leads on (not DEAD), as expand records them."""
+    runs: list[tuple[int, int]] = []
+    for b, nxt in enumerate(row):
+        if nxt != DEAD:
+            if runs and runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], b + 1)
+            else:
+                runs.append((b, b + 1))
+    return tuple(runs)
 
 
 class Automaton:
@@ -37,6 +49,10 @@ class Automaton:
         n = g.num_states
         self.mark = n  # a state past the NFA's: any byte, forever
         self.consuming = has_edges(g.byte_edges, g.token_edges) + [True]
+        # C-level s -> row readers, made once: a closure, an expansion and a special-token step each made theirs per
+        # call (7,600 in nested20's first pass)
+        self._read_eps, self._read_calls = row_reader(g.eps), row_reader(g.call_edges)
+        self._read_bytes, self._read_tokens = row_reader(g.byte_edges), row_reader(g.token_edges)
         self.accept_state = g.rule_final[g.start_rule]
         self._tail: dict[int, bool] = {}
         self.stacks: list[tuple[int, int, int]] = [(-1, -1, 0)]
@@ -106,7 +122,7 @@ class Automaton:
     def _closure(self, threads: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
         g = self.g
         eps, calls, is_final, consuming, is_tail = g.eps, g.call_edges, g.is_final, self.consuming, self.is_tail
-        read_eps, read_calls = row_reader(eps), row_reader(calls)
+        read_eps, read_calls = self._read_eps, self._read_calls
         mark = self.mark
         out = set()
         seen = set()
@@ -343,16 +359,16 @@ class Automaton:
         return row
 
     def alive_runs(self, cid: int) -> tuple[tuple[int, int], ...]:
-        """The byte runs [begin, end) of an expanded configuration's row that lead on (not DEAD), recorded as
-        expand made it: a narrow walk reads a wide trie node's children in these runs alone (most of the 256 at the
-        root, or below `"` or a space, are dead for a key or a number)."""
+        """The maximal byte runs [begin, end) of a configuration's row that lead on (not DEAD), recorded as expand
+        made it: a narrow walk reads a wide trie node's children in these runs alone (most of the 256 at the root,
+        or below `"` or a space, are dead for a key or a number), and the string lexer's states are found by them
+        (lexemes.StringLexer.by_alive)."""
         runs = self._alive.get(cid)
         if runs is None:
             row = self.expand(cid)
             runs = self._alive.get(cid)
             if runs is None:  # DEAD, or a row made by expand_shifted
-                alive = [b for b in range(256) if row[b] != DEAD]
-                runs = self._alive[cid] = tuple((b, b + 1) for b in alive)
+                runs = self._alive[cid] = row_alive_runs(row)
         return runs
 
     def run_steps(self, cid: int, runs: list[tuple[int, int, int]]) -> list[int] | None:
@@ -391,7 +407,7 @@ class Automaton:
     def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
         """(lo, hi, target state, stack id) of every byte edge of cid's threads."""
         byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
-        read = row_reader(byte_edges)
+        read = self._read_bytes
         edges = []
         for s, sid in self.configs[cid]:
             if s == mark:
@@ -451,7 +467,7 @@ class Automaton:
             return cache
         moves: dict[int, list[tuple[int, int]]] = {}
         token_edges = self.g.token_edges
-        read = row_reader(token_edges)
+        read = self._read_tokens
         for s, sid in self.configs[cid]:
             if s == self.mark:
                 continue

@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch
 
 from rawserve.engine.guided.automaton import DEAD
-from rawserve.engine.guided.lexemes import BUILD_LOCK, SHIFT_SPARE, LexemeWalk, alive_bytes, string_lexeme, \
+from rawserve.engine.guided.lexemes import BUILD_LOCK, SHIFT_SPARE, LexemeWalk, string_lexeme, \
     string_lexer, subtree_sets
-from rawserve.engine.guided.token_mask import id_tensor
 
 # _SHIFTED_PAIRING: a place's pairing holds for its shifts along the run while every configuration paired keeps
 # one copy to spare. A byte takes a thread at most one copy on, and only the run's last copy differs from the
@@ -67,13 +66,16 @@ class CountedTokens:
         self.nbytes = 16 * int(ids.numel()) + 8 * vocab.vocab_size
 
     def inside_upto(self, vocab, left: int) -> InsideUpTo:
-        """The inside tokens of at most `left` characters, as the shorter list (see InsideUpTo)."""
+        """The inside tokens of at most `left` characters, as the shorter list (see InsideUpTo), made when read."""
+        return InsideUpTo(self, vocab, left)
+
+    def upto_ids(self, vocab, left: int) -> tuple[torch.Tensor, bool]:
+        """(ids, is_ban_list) of inside_upto(vocab, left)."""
         k = int(torch.searchsorted(self.counts, left, right=True))
         if k > self.vocab_size // 2:
             # most tokens: the start's ban list (one, as it has at least these k inside) and the longer inside ones
-            return InsideUpTo(torch.cat((string_lexeme(vocab).ids, self.inside_by_count[k:])), True)
-        return InsideUpTo(self.inside_by_count[:k], False)
-
+            return torch.cat((string_lexeme(vocab).ids, self.inside_by_count[k:])), True
+        return self.inside_by_count[:k], False
 
     def anchored(self, node: int) -> tuple[list[int], list[int], list[dict[int, int]], list[list[int]], dict[int, int]]:
         """For the tokens below trie node `node`, read from the lexer's start there: (the ids that stay inside
@@ -89,13 +91,34 @@ class CountedTokens:
 
 class InsideUpTo:
     """What a counted place with few characters left allows inside the string, shaped as a StringLexeme's sets
-    for the mask: `ids` the allowed ids (is_ban_list False) or every other id (True)."""
+    for the mask: `ids` the allowed ids (is_ban_list False) or every other id (True), read on first use: a mask
+    found in the shared ones (`key`: the characters left) needs neither."""
 
-    __slots__ = ("ids", "is_ban_list")
+    __slots__ = ("_counted", "_vocab", "left", "_ids", "_is_ban_list")
 
-    def __init__(self, ids: torch.Tensor, is_ban_list: bool) -> None:
-        self.ids = ids
-        self.is_ban_list = is_ban_list
+    def __init__(self, counted: CountedTokens, vocab, left: int) -> None:
+        self._counted, self._vocab, self.left = counted, vocab, left
+        self._ids: torch.Tensor | None = None
+        self._is_ban_list = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What names these sets in a shared mask's key (shared_masks)."""
+        return ("upto", self.left)
+
+    def _read(self) -> None:
+        if self._ids is None:
+            self._ids, self._is_ban_list = self._counted.upto_ids(self._vocab, self.left)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        self._read()
+        return self._ids
+
+    @property
+    def is_ban_list(self) -> bool:
+        self._read()
+        return self._is_ban_list
 
 
 def counted_tokens(vocab) -> CountedTokens:
@@ -130,7 +153,7 @@ class CountedTail:
         self._closes.clear()
         self.cache_bytes = 0
 
-    def mask_sets(self, cid: int) -> tuple[InsideUpTo, torch.Tensor, list[int]] | None:
+    def mask_sets(self, cid: int) -> tuple[InsideUpTo, list[int], list[int]] | None:
         """(the inside tokens, certain, uncertain) for a counted place with fewer characters left than the
         longest token (LexemeWalk.match refuses those): the inside tokens of at most that many characters, and
         the close trie's tokens of at most that many before their quote that the configuration after it takes.
@@ -146,7 +169,7 @@ class CountedTail:
         close_count = counted.close_count
         self.num_walks += 1
         return (counted.inside_upto(vocab, left),
-                id_tensor([t for t in certain if close_count[t] <= left]),
+                [t for t in certain if close_count[t] <= left],
                 [t for t in uncertain if close_count[t] <= left])
 
     def walk_below(self, node: int, cid: int, certain: list[int], uncertain: list[int]) -> bool:
@@ -175,7 +198,7 @@ class CountedTail:
             return self._left[cid]
         a = self.walk.automaton
         lexer = string_lexer()
-        if a.kind[cid] != 1 or lexer.start not in lexer.by_alive.get(alive_bytes(a.expand(cid)), ()):
+        if a.kind[cid] != 1 or lexer.start not in lexer.by_alive.get(a.alive_runs(cid), ()):
             self._left[cid] = None
             return None
         return self.left(cid)

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from rawserve.engine.guided.automaton import DEAD, Automaton
+from rawserve.engine.guided.automaton import DEAD, Automaton, row_alive_runs
 from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
 from rawserve.engine.guided.json_strings import CHAR
 from rawserve.engine.guided.nfa import compile_grammar
@@ -37,7 +37,8 @@ class StringLexer:
     """The body of a JSON string as rawserve's compilers spell it (json_strings.CHAR, repeated, then the closing
     `"`), as a fully expanded Automaton (37 states): `start` is a character boundary, `close` the state after the
     closing quote, `segments[state]` its row as runs (lo, hi, next) of bytes that move alike, and `by_alive` the
-    states (not close) by which bytes they take."""
+    states (not close) by which bytes they take, as maximal alive runs (what Automaton.alive_runs reads off a
+    configuration's expansion, with no pass over its 256 entries)."""
 
     def __init__(self) -> None:
         a = Automaton(compile_grammar(Grammar({"root": seq(Repeat(CHAR, 0, None), lit('"'))}), "lexeme:json-string"))
@@ -56,7 +57,7 @@ class StringLexer:
         self.close_bytes = [b for b in range(256) if a.next_byte[a.start][b] == self.close]
         self.rows = [a.next_byte[c] if c != DEAD else [DEAD] * 256 for c in range(a.num_configs)]
         self.segments: list[list[tuple[int, int, int]]] = []
-        self.by_alive: dict[bytes, list[int]] = {}
+        self.by_alive: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for c, row in enumerate(self.rows):
             runs, lo = [], 0
             for b in range(1, 257):
@@ -65,16 +66,11 @@ class StringLexer:
                     lo = b
             self.segments.append(runs)
             if c not in (DEAD, self.close):
-                self.by_alive.setdefault(alive_bytes(row), []).append(c)
+                self.by_alive.setdefault(row_alive_runs(row), []).append(c)
         # each alive set of by_alive as a bitmask (bit b: byte b): LexemeWalk.match's refusal before a row is built
-        self.alive_masks = tuple(sum(1 << b for b, on in enumerate(key) if on) for key in self.by_alive)
+        self.alive_masks = tuple(sum((1 << end) - (1 << begin) for begin, end in key) for key in self.by_alive)
         # [states * 256] next state per state * 256 + byte, for the vocabulary's dense walk
         self.table = torch.tensor([nxt for row in self.rows for nxt in row], dtype=torch.int64)
-
-
-def alive_bytes(row: list[int]) -> bytes:
-    """Per byte 1 where a row goes on, 0 where it dies (DEAD is 0): a key of what a state takes."""
-    return bytes(map(bool, row))
 
 
 def _row_moves(row: list[int], segments: list[tuple[int, int, int]]) -> list[tuple[int, int]] | None:
@@ -166,6 +162,11 @@ class StringLexeme:
         self._subtrees: dict[int, tuple[list[int], list[int], list[dict[int, int]], list[list[int]], dict[int, int]]]
         self._subtrees = {}
         self.anchored_bytes = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What names these sets in a shared mask's key (shared_masks): the lexer state."""
+        return ("state", self.state)
 
     def _read_dense(self, vocab) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """(inside canonical ids, (token, bytes up to and with its closing quote) per closing token), every trie
@@ -393,7 +394,7 @@ class LexemeWalk:
                 return None
         row = a.expand(cut)
         result = None
-        alike = lexer.by_alive.get(alive_bytes(row), ())
+        alike = lexer.by_alive.get(a.alive_runs(cut), ())
         for state in alike:
             if not self._moves_like(cut, row, state):
                 continue
@@ -595,7 +596,7 @@ class LexemeWalk:
         boundary = paired.get(lexer.start)
         return None if boundary is None or close == DEAD else (boundary, close)
 
-    def walk(self, cid: int) -> tuple[StringLexeme, torch.Tensor, list[int]] | None:
+    def walk(self, cid: int) -> tuple[StringLexeme, list[int], list[int]] | None:
         """(the lexeme, certain, uncertain) for a configuration that matches it: the tokens beyond its inside set
         are those whose rest after the closing quote the configuration after it takes (ending alive,
         or only in MARK frames). None when cid does not match."""
@@ -604,7 +605,7 @@ class LexemeWalk:
             return None
         lexeme = string_lexeme(self.vocab, matched[0])
         certain, uncertain = self.close_walk(*matched)
-        return lexeme, id_tensor(certain), uncertain
+        return lexeme, certain, uncertain
 
     def close_walk(self, state: int, close: int) -> tuple[list[int], list[int]]:
         """(certain, uncertain): the tokens of lexer state `state`'s close trie whose rest after the closing quote

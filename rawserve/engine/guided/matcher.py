@@ -22,6 +22,7 @@ from rawserve.engine.guided.lexemes import LexemeWalk, StringLexeme, prepare_str
 from rawserve.engine.guided.mask_worker import MaskWorker
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.plain_walk import PlainWalk
+from rawserve.engine.guided.shared_masks import shared_masks
 from rawserve.engine.guided.token_mask import TokenMask, id_tensor
 from rawserve.engine.guided.vocab import VocabIndex
 
@@ -72,7 +73,10 @@ class GrammarRuntime:
         self._plain = PlainWalk(self.automaton, vocab)  # walks of configurations plain characters move alike
         self._lexeme = LexemeWalk(self.automaton, vocab)  # configurations inside a JSON string body
         self._tail = CountedTail(self._lexeme)  # a counted string's last places: the lexeme's tokens by count
-        self._shared: dict[tuple, TokenMask] = {}  # equal masks are one object
+        self._shared: dict[tuple, TokenMask] = {}  # per (cut configuration, ids checked one by one, ...)
+        self._shared_masks = shared_masks(vocab)  # equal masks are one object, across grammars too
+        # the device in its keys as a string: a key of strs and ints is untracked by the garbage collector
+        self._device_key = str(self.device)
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
         self.num_walks = {"lexeme": 0, "plain": 0, "python": 0, "tensor": 0}  # which walk built each mask's base
@@ -271,7 +275,7 @@ class GrammarRuntime:
             self.num_walks["lexeme"] += 1
             return IN_STRING_LEXEME, lexeme[1], lexeme[2], lexeme[0]
         first = self.automaton.expand(cid)
-        num_live_first = sum(1 for c in first if c != DEAD)
+        num_live_first = 256 - first.count(DEAD)
         if num_live_first > DENSE_WALK_FIRST_BYTES:
             plain = self._plain.walk(cid)
             if plain is not None:
@@ -337,37 +341,67 @@ class GrammarRuntime:
 
     def _make_mask(self, num_plain: int, certain: torch.Tensor | list[int], more: list[int], accepting: bool,
                    lexeme: StringLexeme | InsideUpTo | None = None) -> TokenMask:
-        v = self.vocab
+        if num_plain == IN_STRING_LEXEME:
+            return self._lexeme_mask(lexeme, certain, more, accepting)
         if isinstance(certain, list):
             if len(certain) + len(more) <= SPARSE_PY_MAX_IDS:
-                # a narrow mask in Python and one tensor: the cat, isin and unique of the path below cost 50-100 us
-                # a mask, most of a key's or a digit's
-                ids = set(certain)
-                ids.update(more)
-                dups = v.dups_of()
-                if dups:
-                    for t in [t for t in ids if t in dups]:
-                        ids.update(dups[t])
-                ids = id_tensor(sorted(ids))
-                return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
+                return self._list_mask(certain, more, accepting)
             certain = id_tensor(certain)
-        if num_plain == IN_STRING_LEXEME:
-            allowed = torch.cat((certain, id_tensor(more))) if more else certain
-            if not lexeme.is_ban_list:  # inside a character or an escape: few tokens, an allow list
-                ids = torch.unique(torch.cat((lexeme.ids, allowed)))
-                return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
-            # the lexeme's ban list less what the walk allowed: no [V] pass (walked ids carry their duplicates)
-            banned = lexeme.ids
-            if allowed.numel():  # a [V] scatter and a gather: a third of what torch.isin cost
-                flags = torch.zeros(v.vocab_size, dtype=torch.bool)
-                flags[allowed] = True
-                banned = banned[~flags.index_select(0, banned)]
-            num_allowed = v.vocab_size - int(banned.numel())
-            if num_allowed > v.vocab_size // 2:
-                return TokenMask(False, banned.to(self.device), num_allowed, accepting)
-            keep = torch.ones(v.vocab_size, dtype=torch.bool)
-            keep[banned] = False
-            return TokenMask(True, keep.nonzero().squeeze(1).to(self.device), num_allowed, accepting)
+        return self._tensor_mask(num_plain, certain, more, accepting)
+
+    def _list_mask(self, certain: list[int], more: list[int], accepting: bool) -> TokenMask:
+        """A narrow mask in Python and one tensor (the cat, isin and unique of _tensor_mask cost 50-100 us a mask,
+        most of a key's or a digit's), or the equal one another configuration or grammar made (shared_masks)."""
+        ids = set(certain)
+        ids.update(more)
+        ids = sorted(ids)
+        key = ("ids", self._device_key, accepting, tuple(ids))
+        mask = self._shared_masks.get(key)
+        if mask is not None:
+            return mask
+        dups = self.vocab.dups_of()
+        if dups:
+            ids = sorted({*ids, *(d for t in ids if t in dups for d in dups[t])})
+        tensor = id_tensor(ids)
+        mask = TokenMask(True, tensor.to(self.device), len(ids), accepting)
+        return self._shared_masks.put(key, mask, len(key[3]))
+
+    def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],
+                     accepting: bool) -> TokenMask:
+        """A string lexeme's inside set with the walked ids allowed too (they carry their duplicates): one per
+        lexeme and walked set whatever the configuration or grammar (shared_masks): a string's places, and every
+        schema's strings, walk the same few close sets."""
+        allowed = set(certain)
+        allowed.update(more)
+        allowed = sorted(allowed)
+        key = ("lexeme", self._device_key, accepting, lexeme.key, tuple(allowed))
+        mask = self._shared_masks.get(key)
+        if mask is None:
+            mask = self._shared_masks.put(key, self._lexeme_tensors(lexeme, id_tensor(allowed), accepting),
+                                          len(allowed))
+        return mask
+
+    def _lexeme_tensors(self, lexeme: StringLexeme | InsideUpTo, allowed: torch.Tensor,
+                        accepting: bool) -> TokenMask:
+        v = self.vocab
+        if not lexeme.is_ban_list:  # inside a character or an escape: few tokens, an allow list
+            ids = torch.unique(torch.cat((lexeme.ids, allowed)))
+            return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
+        # the lexeme's ban list less what the walk allowed: no [V] pass (walked ids carry their duplicates)
+        banned = lexeme.ids
+        if allowed.numel():  # a [V] scatter and a gather: a third of what torch.isin cost
+            flags = torch.zeros(v.vocab_size, dtype=torch.bool)
+            flags[allowed] = True
+            banned = banned[~flags.index_select(0, banned)]
+        num_allowed = v.vocab_size - int(banned.numel())
+        if num_allowed > v.vocab_size // 2:
+            return TokenMask(False, banned.to(self.device), num_allowed, accepting)
+        keep = torch.ones(v.vocab_size, dtype=torch.bool)
+        keep[banned] = False
+        return TokenMask(True, keep.nonzero().squeeze(1).to(self.device), num_allowed, accepting)
+
+    def _tensor_mask(self, num_plain: int, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
+        v = self.vocab
         if num_plain <= 0 and certain.numel() + len(more) <= SPARSE_MASK_MAX_IDS:
             # a narrow mask (a key, digits, punctuation: most of a schema's masks) as its id list alone, without
             # the four passes over a [V] bool that cost 0.2 ms a mask
