@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, read_model_config
 from rawserve.engine.lora import LoraBatch
-from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param
+from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, rms_normalize
 from rawserve.engine.models.delta_decode import decode_conv, decode_rule_at, scaled_l2_normalize_
 from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, \
     gated_delta_rule, l2_normalize, plan_delta_step
@@ -29,12 +29,9 @@ LayerState = tuple[torch.Tensor, torch.Tensor]
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5's RMSNorm: x normalised and scaled by (1 + w) in float32, rounded once to x's dtype.
-    `weight` is that (1 + w), float32, made once after loading (Qwen35Layer.fuse_qk_norm). (torch's rms_norm
-    would take a bf16 x with the float32 weight in one call and give the same values, but it warns at every call
-    that its fused kernel wants one dtype, and a process-wide filter for that is a side effect for ~2 us a norm.)"""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
-    return F.rms_norm(x.float(), x.shape[-1:], weight, eps).to(x.dtype)
+    `weight` is that (1 + w), float32, made once after loading (Qwen35Layer.fuse_qk_norm)."""
+    normed = rms_normalize(x, eps, weight)
+    return normed if x.dtype == torch.float32 else normed.to(x.dtype)
 
 
 class Qwen35Layer(LinearOwner):
@@ -254,8 +251,7 @@ class GatedAttentionLayer(Qwen35Layer):
         q, gate = qg.view(num_tokens, heads, 2, hd).unbind(2)  # [T, heads, D] each
         # q's and k's heads as one float32 [T, heads + kv_heads, D] tensor: one norm (their (1 + w) rows side by
         # side), one rotation, one rounding back (the norm's output is not rounded before the rotation reads it)
-        qk = torch.cat((q, k.view(num_tokens, kv_heads, hd)), 1).float()
-        qk = F.rms_norm(qk, (hd,), None, cfg.rms_norm_eps).mul_(self.qk_norm_scale)
+        qk = rms_normalize(torch.cat((q, k.view(num_tokens, kv_heads, hd)), 1), cfg.rms_norm_eps, self.qk_norm_scale)
         rot = cos.shape[-1]  # partial rotary: the first `rot` dims of each head turn, the rest pass through
         turn = qk[..., :rot]  # x cos + roll(x) sin in place (see decoder.apply_rope)
         rolled = turn.roll(rot // 2, -1)
@@ -264,7 +260,7 @@ class GatedAttentionLayer(Qwen35Layer):
         k_cache, v_cache = kv_cache
         self.attention.write_kv(k, v.view(num_tokens, kv_heads, hd), k_cache, v_cache, meta.slot_mapping)
         attn = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, heads, D]
-        attn = torch.sigmoid(gate).mul_(attn.reshape(num_tokens, heads, hd)).reshape(num_tokens, self.q_size)
+        attn = torch.sigmoid(gate).mul_(attn).reshape(num_tokens, self.q_size)  # (gate and attn: [T, heads, D])
         return self.mlp_block(x, self.linear(attn, "o_proj", lora=lora), lora)
 
 
