@@ -10,7 +10,7 @@ import pytest
 from rawserve.engine.guided.automaton import Automaton
 from rawserve.engine.guided.grammar import Grammar, accepts
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
-from rawserve.engine.guided.nfa import compile_grammar
+from rawserve.engine.guided.nfa import CompiledGrammar, compile_grammar
 from rawserve.engine.guided.regex import parse_regex
 from tests.guided.test_json_schema import CORPUS, texts
 from tests.guided.test_regex import ORACLE_CASES
@@ -37,3 +37,23 @@ def test_schema_automaton_equals_reference(name, schema, valid, invalid):
         for text in texts(value):
             assert any_object.matches(text.encode()) == (isinstance(value, dict)), text
     assert not any_object.matches(json.dumps([1]).encode())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_rule_end_that_also_consumes_returns_to_its_caller(packed):
+    """A closure made without its work loop (a thread that only consumes) must not take a called rule's final state
+    for one: root calls r, then takes `c`; r is `a` then `b`*, its final state looping on `b`. After `a` the
+    configuration holds both r's final state and the return to `c`."""
+    compiled = CompiledGrammar(
+        "final-consumes",
+        eps=[[], [], [], [], []],
+        byte_edges=[[], [(0x63, 0x63, 2)], [], [(0x61, 0x61, 4)], [(0x62, 0x62, 4)]],
+        token_edges=[[], [], [], [], []],
+        call_edges=[[(1, 1)], [], [], [], []],
+        is_final=[False, False, True, False, True],
+        rule_start=[0, 3], rule_final=[2, 4], start_rule=0)
+    if packed:
+        compiled = pickle.loads(pickle.dumps(compiled))
+    automaton = Automaton(compiled)
+    for text, ok in [(b"ac", True), (b"abbc", True), (b"a", False), (b"abb", False), (b"c", False), (b"acb", False)]:
+        assert automaton.matches(text) == ok, text

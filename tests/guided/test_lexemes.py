@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rawserve.engine.guided.automaton import DEAD, UNEXPANDED
-from rawserve.engine.guided.grammar import Grammar, Repeat, lit, seq
+from rawserve.engine.guided.grammar import Grammar, Repeat, alt, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.json_strings import CHAR, STRING, STRING_BODY
 from rawserve.engine.guided.counted_tail import counted_tokens
@@ -215,8 +215,13 @@ def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_plac
     tail = runtime._tail
     assert lexeme.num_counted >= 12 and lexeme.num_counted_proven <= 4 + tail.num_proven, (
         lexeme.num_counted, lexeme.num_counted_proven, tail.num_proven)
-    # the run's last places take the lexeme's tokens by count, proven by shifting but for the last two (per string)
-    assert tail.num_walks >= room - 10 and tail.num_proven <= 6, (tail.num_walks, tail.num_proven)
+    # the run's last places take the lexeme's tokens by count, proven by shifting but for the last (per string: it
+    # and the string's first place, before the run, are paired on their own)
+    num_strings = 2 if shape == "in_array" else 1
+    assert tail.num_walks >= room - 10 and tail.num_proven == 2 * num_strings, (tail.num_walks, tail.num_proven)
+    # a run's first place is proven from the pairing of the string's first place, a copy on; not past required
+    # copies (minLength), whose states are outside the run
+    assert lexeme.num_pairings_shifted == (0 if shape == "min_length" else num_strings), lexeme.num_pairings_shifted
     # a token inside the string advances from such a place by shifting, to where its bytes step
     a = runtime.automaton
     num_shifted = 0
@@ -228,6 +233,19 @@ def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_plac
                 assert shifted == a.step_bytes(cid, data), (cid, data)
                 num_shifted += 1
     assert num_shifted > 100
+
+
+@pytest.mark.parametrize("text", ["ab\\n中é", '"x'])
+def test_a_runs_first_place_is_not_proven_from_a_first_place_that_closes_elsewhere(vocab, text):
+    """The string's first place (before the run) also takes `"x`: its quote leads elsewhere than the run's places'
+    do, so the run's first place is paired on its own (its own row read, not first's moved a copy on), and masks
+    stay exact: no `"x` after a character."""
+    room = SHIFT_SPARE + max(map(len, vocab.token_bytes))
+    grammar = Grammar({"root": seq(lit('{"a": "'), alt(seq(Repeat(CHAR, 0, room + 20), lit('"')), lit('"x')),
+                                   lit("}"))})
+    runtime = GrammarRuntime(compile_grammar(grammar, "first-closes-elsewhere"), vocab)
+    check_every_place(runtime, vocab, '{"a": "' + text + '"}' if text != '"x' else '{"a": ""x}')
+    assert runtime._lexeme.num_pairings_shifted == 0
 
 
 def _plain_strings_schema(num: int) -> dict:

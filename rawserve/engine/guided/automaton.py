@@ -8,7 +8,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.nfa_rows import has_edges, row_reader
+from rawserve.engine.guided.nfa_rows import has_edges, is_empty_reader, row_reader
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
 DEAD = 0  # configuration id of the empty set: no thread survives
@@ -49,6 +49,13 @@ class Automaton:
         n = g.num_states
         self.mark = n  # a state past the NFA's: any byte, forever
         self.consuming = has_edges(g.byte_edges, g.token_edges) + [True]
+        # per state, worked out on first use: 1 where a thread's closure is itself (it consumes, and has no epsilon
+        # move, call or rule end), 2 where not, 0 not known yet. Most threads a byte moves are so (a string
+        # character's inner states, a key's letters): their closure is made without the work loop, which a cold
+        # pass ran ~200 times a mask in a counted string's pairings (the largest cold mask's main cost)
+        self._plain = bytearray(n + 1)
+        self._plain[n] = 1  # MARK: any byte, forever
+        self._no_eps, self._no_calls = is_empty_reader(g.eps), is_empty_reader(g.call_edges)
         # C-level s -> row readers, made once: a closure, an expansion and a special-token step each made theirs per
         # call (7,600 in nested20's first pass)
         self._read_eps, self._read_calls = row_reader(g.eps), row_reader(g.call_edges)
@@ -120,6 +127,12 @@ class Automaton:
         return sid
 
     def _closure(self, threads: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+        plain = self._plain
+        for s, _ in threads:
+            if (plain[s] or self._is_plain(s)) != 1:
+                break
+        else:  # every thread only consumes: the closure is the threads
+            return frozenset(threads)
         g = self.g
         eps, calls, is_final, consuming, is_tail = g.eps, g.call_edges, g.is_final, self.consuming, self.is_tail
         read_eps, read_calls = self._read_eps, self._read_calls
@@ -154,6 +167,12 @@ class Automaton:
                     ret, parent, _ = self.stacks[sid]
                     work.append((ret, parent))
         return frozenset(out)
+
+    def _is_plain(self, s: int) -> int:
+        """_plain[s], worked out and kept."""
+        flag = 1 if self.consuming[s] and self._no_eps(s) and self._no_calls(s) and not self.g.is_final[s] else 2
+        self._plain[s] = flag
+        return flag
 
     def _intern(self, threads: frozenset[tuple[int, int]]) -> int:
         cid = self._config_ids.get(threads)
@@ -274,6 +293,12 @@ class Automaton:
         end = first + stride * count
         return any(first <= s < end for s, _ in self.configs[cid])
 
+    def only_in_run(self, cid: int, run: int) -> bool:
+        """Whether every one of cid's threads is in repeat run `run` (shift_by then moves them all)."""
+        first, stride, count = self._regions[run]
+        end = first + stride * count
+        return all(first <= s < end for s, _ in self.configs[cid])
+
     def expand_shifted(self, prev: int, cid: int) -> tuple[int, ...]:
         """expand(cid), where cid is prev one copy on along a repeat run (as shift_next makes them) and prev is
         expanded: each of prev's next configurations one copy on, interned without closures. A byte takes a
@@ -312,16 +337,24 @@ class Automaton:
 
     def spare_in(self, cid: int, run: int) -> int:
         """Copies of repeat run `run` that cid's threads may still take before its last two (a large number
-        when none is in it). A thread with at least one to spare steps as its shift a copy on does: only
-        the run's last copy ends without going on."""
+        when none is in it), counted from the copy a byte may take each thread into: copy i's end (its state at
+        first + i * stride) steps into copy i + 1, a state inside copy i no further than copy i's end. A thread
+        with at least one to spare steps as its shift a copy on does: only the run's last copy's end takes no
+        byte. Counting a state inside a copy as its end was one copy short: a run's last place but one has its
+        pairing's states inside the last copy but one, and was paired on its own (a third of nested20's largest
+        cold mask) where the kept pairing, shifted, proves it (LexemeWalk.counted_place)."""
         key = (cid, run)
         spare = self._spare.get(key)
         if spare is not None:
             return spare
         first, stride, count = self._regions[run]
         end = first + stride * count
-        inside = [s for s, _ in self.configs[cid] if first <= s < end]
-        spare = count - 2 - (max(inside) - first) // stride if inside else 1 << 30
+        reach = -1
+        for s, _ in self.configs[cid]:
+            if first <= s < end:
+                copy, offset = divmod(s - first, stride)
+                reach = max(reach, copy + 1 if offset == 0 else copy)
+        spare = count - 1 - reach if reach >= 0 else 1 << 30
         self._spare[key] = spare
         return spare
 

@@ -354,6 +354,11 @@ class LexemeWalk:
         self.num_counted = 0  # configurations matched as a place of a counted string
         self.num_counted_proven = 0  # the pairings that took
         self._counted_run: dict[int, int] = {}  # a counted place matched with room -> its run
+        # a run's first place -> the pairing of the string's first place (before the run) that led into it: (that
+        # place's moves from the lexer's start, lexer state -> configuration paired, the configuration after the
+        # quote), which proves the run's first place but its own row (_pair_shifted)
+        self._led_into: dict[int, tuple[list[tuple[int, int]], dict[int, int], int]] = {}
+        self.num_pairings_shifted = 0  # run's first places proven so
         self.num_below = 0  # subtrees below an opening quote taken from the anchored sets
 
     def clear(self) -> None:
@@ -496,13 +501,18 @@ class LexemeWalk:
         low = a.shift_low(cid)
         kept = self._counted.get(key)
         if kept is None:
-            paired = self.pair_counted(cid)
-            if paired is None:
-                return None
-            step, close, configs = paired
-            if step != a.shift_by(cid, run, 1):
-                return [step, close]
-            spare = min(a.spare_in(g, run) for g in configs)
+            led = self._led_into.pop(cid, None)
+            shifted = None if led is None else self._pair_shifted(cid, run, *led)
+            if shifted is not None:
+                step, close, spare = shifted
+            else:
+                paired = self.pair_counted(cid)
+                if paired is None:
+                    return None
+                step, close, configs = paired
+                if step != a.shift_by(cid, run, 1):
+                    return [step, close]
+                spare = min(a.spare_in(g, run) for g in configs)
             if spare < SHIFT_SPARE or a.in_run(close, run):
                 return None
             kept = self._counted[key] = (low, spare, close)
@@ -520,6 +530,7 @@ class LexemeWalk:
         paired = {start: cid}
         work = [(cid, start)]
         close = step = DEAD
+        first_moves: list[tuple[int, int]] = []
         while work:
             g, state = work.pop()
             if kind[g] != 1:
@@ -527,6 +538,8 @@ class LexemeWalk:
             moves = _config_moves(a, g, segments[state])
             if moves is None:
                 return None
+            if g == cid:
+                first_moves = moves
             for nxt, nxt_state in moves:
                 if nxt_state == close_state:
                     if close not in (DEAD, nxt):
@@ -545,7 +558,50 @@ class LexemeWalk:
                         return None
         if close == DEAD or step == DEAD or kind[step] != 1:
             return None
+        if a.shift_key(cid)[1] == -1 and a.shift_key(step)[1] >= 0:  # a string's first place, into its run
+            self._led_into[step] = (first_moves, paired, close)
         return step, close, list(paired.values())
+
+    def _pair_shifted(self, cid: int, run: int, first_moves: list[tuple[int, int]], paired: dict[int, int],
+                      close: int) -> tuple[int, int, int] | None:
+        """(the configuration a character leads to, the one after the quote, the fewest copies the pairing spares)
+        for cid, a run's first place that the pairing of the string's first place (before the run: its moves from
+        the lexer's start `first_moves`, its configurations by lexer state `paired`) led into, or None (pair it
+        then). That pairing's configurations inside a character are in copy 0, each a copy before cid's own (a
+        character ends at its copy's end, where cid is): with every thread in the run and a copy to spare once
+        moved on, each steps as its shift a copy on (Automaton.spare_in), so cid's pairing is first's moved a
+        copy on, but for cid's own row, which is read (the first place's is the run's entry, outside it) and must
+        lead where the first place's moved on does. nested20's largest cold mask paired both."""
+        a = self.automaton
+        lexer = string_lexer()
+        step = a.shift_by(cid, run, 1)
+        if step is None or a.kind[cid] != 1:
+            return None
+        spare = a.spare_in(cid, run)
+        for state, g in paired.items():
+            if state == lexer.start:  # the first place itself
+                continue
+            if not a.only_in_run(g, run):
+                return None
+            spare = min(spare, a.spare_in(g, run) - 1)
+        if spare < 1:
+            return None
+        moves = _config_moves(a, cid, lexer.segments[lexer.start])
+        if moves is None or len(moves) != len(first_moves):
+            return None
+        for (nxt, nxt_state), (was, was_state) in zip(moves, first_moves):
+            if nxt_state != was_state:
+                return None
+            if nxt_state == lexer.close:
+                if nxt != close:
+                    return None
+            elif nxt_state == lexer.start:  # a one-byte character: the first place's into cid, cid's one on
+                if was != cid or nxt != step:
+                    return None
+            elif nxt != a.shift_by(was, run, 1):  # into a character: that configuration a copy on
+                return None
+        self.num_pairings_shifted += 1
+        return step, close, spare
 
     @staticmethod
     def _moves_like(cid: int, row: list[int], state: int) -> bool:
