@@ -84,7 +84,7 @@ class Harness:
         self.gather_out = None
         self.states = model.allocate_states(rows, torch.device("cpu"))
         gen = torch.Generator().manual_seed(1)
-        for conv, recurrent in self.states:  # as a prompt leaves them (module docstring: not zeros)
+        for conv, recurrent, _ in self.states:  # as a prompt leaves them (module docstring: not zeros)
             conv.copy_(torch.randn(conv.shape, generator=gen))
             recurrent.copy_(0.01 * torch.randn(recurrent.shape, generator=gen))
         model.init_rope(max_tokens + 1, torch.device("cpu"))

@@ -26,7 +26,7 @@ from rawserve.engine.models.moe import expert_weight_bytes
 from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.models.qwen3_moe import load_moe_model
 from rawserve.engine.models.qwen3_vl import Qwen3VLTextModel
-from rawserve.engine.models.qwen35 import load_qwen35_model
+from rawserve.engine.models.qwen35 import LayerState, load_qwen35_model
 from rawserve.engine.multimodal.budget import VISION_PREFIX, step_bytes_with_images, vision_weight_bytes
 from rawserve.engine.multimodal.manager import MultiModalManager
 from rawserve.engine.quant import QuantPlan, probe_plan, quantized_bytes
@@ -223,7 +223,7 @@ class ModelRunner:
                                  "models; use auto or off")
             # a decode graph holds no state slots, and a MoE layer picks its experts on the host: both run eagerly
             use_graphs = False
-        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # per linear layer: (conv, recurrent) by slot
+        self.states: list[LayerState] = []  # per linear layer: (conv, recurrent, its scale) by slot
         self.graphs: DecodeGraphs | None = None  # captured last, once the KV pool exists; the profile step runs eager
         check_attention_backend(config, cfg, self.device)
         self.quant = (probe_plan(config.quantization, config.quantization_group_size, self.device)
@@ -295,22 +295,27 @@ class ModelRunner:
         """Layers with a (K, V) pair in the paged cache: all of them, or a hybrid's full-attention layers."""
         return self.model.num_kv_layers if self.is_hybrid else self.model_config.num_layers
 
-    def _allocate_states(self, num_slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_states(self, num_slots: int) -> list[LayerState]:
         """A hybrid's state pool: per linear layer (conv [S, K-1, conv_dim] at the model's dtype, recurrent
-        [S, Hv, dk, dv] float32). Left empty, as the KV pool is: a fresh sequence's slot is zeroed by the forward
-        (StateBatch.fresh) and a restored one copied whole, so pages are touched only as slots are used."""
-        conv, rec = self.model.state_shapes(num_slots)
+        [S, Hv, dk, dv] float32, its scale [S, Hv, 1, 1]). Conv and recurrent left empty, as the KV pool is: a
+        fresh sequence's slot is zeroed by the forward (StateBatch.fresh) and a restored one copied whole, so pages
+        are touched only as slots are used. The scales start at 1 (a few bytes a slot): a fold or a decode step
+        may read a free slot's."""
+        conv, rec, scale = self.model.state_shapes(num_slots)
         return [(torch.empty(conv, dtype=self.dtype, device=self.device),
-                 torch.empty(rec, dtype=torch.float32, device=self.device))
+                 torch.empty(rec, dtype=torch.float32, device=self.device),
+                 torch.ones(scale, dtype=torch.float32, device=self.device))
                 for _ in range(self.model.num_state_layers)]
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole state slots, (from, to) in order (StateCacheManager.take_copies: prefix-cache restores
-        before a forward, saves after it), every linear layer's conv and recurrent rows."""
+        before a forward, saves after it; speculative decoding's hold and rollback), every linear layer's conv and
+        recurrent rows and the recurrent state's scale (a copy stands for the same true state)."""
         for src, dst in copies:
-            for conv, recurrent in self.states:
+            for conv, recurrent, scale in self.states:
                 conv[dst].copy_(conv[src])
                 recurrent[dst].copy_(recurrent[src])
+                scale[dst].copy_(scale[src])
 
     @property
     def block_bytes(self) -> int:

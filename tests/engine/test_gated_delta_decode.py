@@ -1,14 +1,16 @@
 """delta_decode's one-token forms (a step of decodes only) against the plain rule in float64: the conv window and
 its state rows, the delta rule on slots in a run, spread over a span (rows between left exactly as they were) and
-far apart (gathered and written back), and the per-head scaled l2 norm."""
+far apart (gathered and written back), the per-head scaled l2 norm, and the state reads' bags at any batch size."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from rawserve.engine.models import delta_decode
 from rawserve.engine.models.delta_decode import decode_conv, decode_rule_at, scaled_l2_normalize_
-from rawserve.engine.models.gated_delta import StateBatch, causal_conv, l2_normalize, plan_delta_step
+from rawserve.engine.models.gated_delta import StateBatch, causal_conv, l2_normalize, plan_delta_step, \
+    state_reads
 from tests.engine.test_gated_delta import reference
 
 HEADS, DK, DV, K, CHANNELS = 3, 8, 6, 4, 10
@@ -49,32 +51,52 @@ def test_decode_conv_is_the_windowed_sum_and_shifts_each_state_by_one(layout):
     assert torch.equal(history_state, state)
 
 
+@pytest.fixture(params=["plain", "scaled"])
+def form(request, monkeypatch):
+    """Both forms of decode_rule: plain (every row folded each step, as a batch under SCALED_MIN_ROWS takes) and
+    scaled (the decay kept in the scale, folds as the scale falls), whatever the test's batch size."""
+    if request.param == "scaled":
+        monkeypatch.setattr(delta_decode, "SCALED_MIN_ROWS", 1)
+    return request.param
+
+
+def unit_qk(num_seqs: int, gen: torch.Generator, dtype: torch.dtype = torch.float64):
+    """[B, 2, H, dk] normalised q (scaled by dk^-0.5) and k, v [B, H, dv], as the layer hands them over."""
+    wide = torch.randn(num_seqs, 2 * HEADS * DK + HEADS * DV + 3, generator=gen, dtype=torch.float64)
+    qk = l2_normalize(wide[:, :2 * HEADS * DK].view(num_seqs, 2, HEADS, DK))
+    qk[:, 0] *= DK ** -0.5
+    v = wide[:, 2 * HEADS * DK:2 * HEADS * DK + HEADS * DV].view(num_seqs, HEADS, DV)
+    return qk.to(dtype), v.to(dtype)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_decode_rule_follows_the_token_by_token_rule_wherever_the_slots_lie(layout):
-    """Two decode steps on the same slots: outputs and states equal transformers' recurrent form; a slot inside
-    the span that is no decode of the step (a live state, and a free one holding NaN) is left exactly as it was."""
+def test_decode_rule_follows_the_token_by_token_rule_wherever_the_slots_lie(layout, form):
+    """Two decode steps on the same slots: outputs and true states (scale * stored) equal transformers' recurrent
+    form; a slot inside the span that is no decode of the step (a live state, and a free one holding NaN) is left
+    exactly as it was, its scale too."""
     gen = torch.Generator().manual_seed(2)
     num_seqs = len(layout)
     pool = torch.randn(48, HEADS, DK, DV, generator=gen, dtype=torch.float64)
+    scale = torch.ones(48, HEADS, 1, 1, dtype=torch.float64)
     pool[6].fill_(float("nan"))  # inside the span's run (3..7), no decode's: must stay NaN and touch no one
-    expected = pool.clone()
+    scale[4] = 0.5  # a live state in the span, no decode's: stored and scale left as they are
+    expected = pool * scale
     for step in range(2):
-        wide = torch.randn(num_seqs, 2 * HEADS * DK + HEADS * DV + 3, generator=gen, dtype=torch.float64)
-        qk = l2_normalize(wide[:, :2 * HEADS * DK].view(num_seqs, 2, HEADS, DK))
-        qk[:, 0] *= DK ** -0.5
-        v = wide[:, 2 * HEADS * DK:2 * HEADS * DK + HEADS * DV].view(num_seqs, HEADS, DV)
+        qk, v = unit_qk(num_seqs, gen)
         g = -torch.rand(num_seqs, HEADS, generator=gen, dtype=torch.float64) * 3
         beta = torch.rand(num_seqs, HEADS, generator=gen, dtype=torch.float64)
         out = decode_rule_at(qk.transpose(1, 2), v.unsqueeze(2), g.exp()[..., None, None], beta[..., None, None],
-                             pool, decode_plan(layout))
+                             pool, scale, decode_plan(layout))
         assert out.shape == (num_seqs, HEADS, 1, DV)
         for i, slot in enumerate(layout):
             want = reference(expected[slot], qk[i:i + 1, 0], qk[i:i + 1, 1], v[i:i + 1], g[i:i + 1],
                              beta[i:i + 1])
             torch.testing.assert_close(out[i, :, 0], want[0], rtol=0, atol=1e-12)
         others = [s for s in range(48) if s not in layout and s != 6]
-        torch.testing.assert_close(pool[layout], expected[layout], rtol=0, atol=1e-12)
-        assert torch.equal(pool[others], expected[others]) and bool(pool[6].isnan().all())
+        torch.testing.assert_close(pool[layout] * scale[layout], expected[layout], rtol=0, atol=1e-12)
+        # (slot 4's scale is a power of two: folded in by the plain form's pass over the span, still exact)
+        assert torch.equal(pool[others] * scale[others], expected[others]) and bool(pool[6].isnan().all())
+        assert (scale[layout] < 1).any() == (form == "scaled")
 
 
 def test_scaled_l2_normalize_is_l2_normalize_times_each_heads_scale():
@@ -87,3 +109,16 @@ def test_scaled_l2_normalize_is_l2_normalize_times_each_heads_scale():
     got = scaled_l2_normalize_(x, 1e-6 * inv_scale_sq, inv_scale_sq)
     assert got.data_ptr() == x.data_ptr()
     torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+
+
+def test_state_reads_are_the_batched_product_at_every_batch_size_in_any_order():
+    """q S and k S per (sequence, head) from the bags equal the batched product, for q and k as strided views, batch
+    after batch of other sizes (the bag index is grown to the largest and its prefix serves the smaller ones), at
+    head widths the index has not seen."""
+    gen = torch.Generator().manual_seed(4)
+    for batch, dk in ((3, DK), (1, DK), (6, DK), (2, DK), (6, 5), (4, DK)):
+        qk = torch.randn(batch, 2, HEADS, dk + 1, generator=gen, dtype=torch.float64)[..., 1:].transpose(1, 2)
+        states = torch.randn(batch, HEADS, dk, DV, generator=gen, dtype=torch.float64)
+        reads = state_reads(qk, states)
+        assert reads.shape == (batch, HEADS, 2, DV)
+        torch.testing.assert_close(reads, torch.matmul(qk, states), rtol=0, atol=1e-12)

@@ -227,7 +227,7 @@ def test_no_state_slot_leaks_after_finish_abort_preemption_and_errors(ckpt):
 
 
 def test_admission_waits_for_a_free_state_slot(ckpt, hf):
-    # A budget whose states get half: 4 slots of 48,384 bytes, 2 running and 2 saved, though --max-num-seqs is 8
+    # A budget whose states get half: 4 slots of 48,480 bytes, 2 running and 2 saved, though --max-num-seqs is 8
     state_bytes = make_core(ckpt, num_kv_blocks=64).runner.model.state_bytes_per_slot()
     budget = 8 * state_bytes
     core = make_core(ckpt, num_kv_blocks=None, kv_cache_memory_gb=budget / (1 << 30), max_model_len=64)

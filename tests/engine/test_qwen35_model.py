@@ -1,5 +1,6 @@
 """Qwen3.5's hybrid model (Gated DeltaNet + gated attention) matches transformers: whole prompts, chunked
-prefill continuing from saved states, greedy decode, and mixed batches; and its checkpoints load in both forms."""
+prefill continuing from saved states, greedy decode (its decays kept in the states' scales or not), and mixed
+batches; and its checkpoints load in both forms."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import torch
 
 from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import CheckpointError, read_model_config
+from rawserve.engine.models import delta_decode
 from rawserve.engine.models.gated_delta import StateBatch
 from rawserve.engine.models.qwen35 import load_qwen35_model
 from rawserve.engine.models.vision import load_vision_tower
@@ -119,7 +121,16 @@ def test_chunked_prefill_continues_from_saved_states(checkpoint):
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_decode_equals_transformers_generate(checkpoint):
+@pytest.fixture(params=["plain", "scaled"])
+def decode_form(request, monkeypatch):
+    """Both forms of a decode step's rule: plain (the decay applied to the state each step, as batches under
+    delta_decode.SCALED_MIN_ROWS take it) and scaled (the decay kept in the state's scale, folds as it falls)."""
+    if request.param == "scaled":
+        monkeypatch.setattr(delta_decode, "SCALED_MIN_ROWS", 1)
+    return request.param
+
+
+def test_greedy_decode_equals_transformers_generate(checkpoint, decode_form):
     path, hf = checkpoint
     ids = prompt_ids(19, seed=2)
     driver = Driver(path)
@@ -132,6 +143,29 @@ def test_greedy_decode_equals_transformers_generate(checkpoint):
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert tokens == ref
+
+
+def test_a_chunk_after_scaled_decodes_equals_transformers(checkpoint, decode_form):
+    """Decodes leave the states' scales below 1 (scaled form), then a 4-token chunk of the same sequence (the
+    chunked rule, which reads true states: the scales are folded in first), then decodes again: transformers'
+    logits throughout."""
+    path, hf = checkpoint
+    ids = prompt_ids(13, seed=12)
+    driver = Driver(path)
+    table = blocks_for(13 + 10)
+    driver.prefill(ids, [13], table, slot=2)
+    for token in (61, 62, 63):
+        driver.run([StepInput([token], len(ids), table, state_slot=2)])
+        ids = ids + [token]
+    scales = torch.stack([scale[2] for _, _, scale in driver.states])
+    assert bool((scales < 1).any()) == (decode_form == "scaled")
+    chunk = [71, 72, 73, 74]
+    ours = driver.run([StepInput(chunk, len(ids), table, state_slot=2)])
+    torch.testing.assert_close(ours, hf_logits(hf, ids + chunk)[-4:], atol=1e-4, rtol=1e-4)
+    ids = ids + chunk
+    assert all(bool((scale[2] == 1).all()) for _, _, scale in driver.states)
+    ours = driver.run([StepInput([81], len(ids), table, state_slot=2)])
+    torch.testing.assert_close(ours, hf_logits(hf, ids + [81])[-1:], atol=1e-4, rtol=1e-4)
 
 
 def test_prompts_of_different_lengths_and_decode_rows_in_one_forward(checkpoint):
@@ -162,7 +196,7 @@ def test_prompts_of_different_lengths_and_decode_rows_in_one_forward(checkpoint)
 
 
 @pytest.mark.parametrize("layout", [[0, 1, 2], [5, 3, 7], [1, 20, 40]], ids=["run", "span", "gathered"])
-def test_decode_rows_follow_transformers_wherever_their_slots_lie(checkpoint, layout):
+def test_decode_rows_follow_transformers_wherever_their_slots_lie(checkpoint, layout, decode_form):
     """Decode rows on a run of slots in batch order (updated in place), on permuted slots with gaps (the run
     between them updated in place: a gap's live state left exactly as it was, a free one's NaN kept to itself),
     and on slots far apart (gathered and scattered back): transformers' logits, two steps running."""
@@ -173,7 +207,7 @@ def test_decode_rows_follow_transformers_wherever_their_slots_lie(checkpoint, la
     driver.states = driver.model.allocate_states(48, torch.device("cpu"))
     for ids, table, slot in zip(prompts, tables, layout):
         driver.prefill(ids, [len(ids)], table, slot)
-    for conv, recurrent in driver.states:  # slot 4: free and never written; slot 6: another sequence's state
+    for conv, recurrent, _ in driver.states:  # slot 4: free and never written; slot 6: another sequence's state
         conv[4].fill_(float("nan"))
         recurrent[4].fill_(float("nan"))
         recurrent[6].fill_(2.5)
@@ -184,7 +218,7 @@ def test_decode_rows_follow_transformers_wherever_their_slots_lie(checkpoint, la
         ours = driver.run(seqs)
         ref = torch.cat([hf_logits(hf, ids + nxt[:step + 1])[-1:] for ids, nxt in zip(prompts, nexts)])
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    assert all(bool((recurrent[6] == 2.5).all()) for _, recurrent in driver.states)
+    assert all(bool((recurrent[6] == 2.5).all()) for _, recurrent, _ in driver.states)
 
 
 def test_mrope_position_streams_match_transformers(checkpoint):

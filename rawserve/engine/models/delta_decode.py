@@ -1,13 +1,14 @@
 """Gated DeltaNet's one-token forms, for a step of decodes only (DeltaPlan.all_decode): the conv window, the per-head
-scaled l2 norm and the recurrent step with q and k side by side, each in as few torch calls as the arithmetic allows
-(at one row a call costs more than its arithmetic). Pure torch, no model weights; gated_delta owns the plan.
+scaled l2 norm and the recurrent step with q and k side by side (its decay kept in the state's scale), each in as
+few torch calls as the arithmetic allows (at one row a call costs more than its arithmetic). Pure torch, no model
+weights; gated_delta owns the plan and the states' layout.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from rawserve.engine.models.gated_delta import DeltaPlan
+from rawserve.engine.models.gated_delta import DeltaPlan, state_reads
 
 
 def decode_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
@@ -40,45 +41,81 @@ def scaled_l2_normalize_(x: torch.Tensor, eps: torch.Tensor, inv_scale_sq: torch
     return x.mul_(torch.addcmul(eps, sums, inv_scale_sq).rsqrt_().unsqueeze(-1))
 
 
+# The stored recurrent state is the true one divided by its slot's scale per head (gated_delta's module docstring),
+# kept in [FOLD_BELOW, 1]: a scale that would fall below is folded into the stored state and reset to 1. So a stored
+# value is at most 2^64 times its true one, and its reads (dk <= 256 products) another 2^4: float32 (to 2^128) holds
+# them for any state and value under 2^58 (a true state holds, per key direction, a decayed mix of values; a model's
+# are ~1). A decay of exactly 0 folds to a zero state, as the plain form gives. The fold is a pass over a head's
+# rows: at 32 rows 13% of the heads fold a step on bench.qwen35_forward's random 0.8B (decays e^-0.01 .. e^-11 a
+# token), 22% on the peers' (transformers' init), which leaves the scaled form 1-4.5% of the 32-row step (one
+# thread, steady state; the box's noise is of that size), where dropping the decay pass alone would be ~5%.
+FOLD_BELOW = 2.0 ** -64
+# Fewer rows than this fold every step (the plain two-pass form, scale 1): the scaled form's calls (the fold check
+# and its host sync, the division) cost more than one pass over a few rows' states saves.
+SCALED_MIN_ROWS = 8
+
+
 def decode_rule(qk: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-                states: torch.Tensor) -> torch.Tensor:
+                states: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """recurrent_step for a step of decodes, q and k side by side, in place on `states` [B, H, dk, dv] (float32,
-    the pool's rows of the step's slots as a view).
+    the pool's rows of the step's slots as a view) and their `scale` [B, H, 1, 1] (the true state is
+    scale * states).
 
     qk: [B, H, 2, dk] (q normalised and scaled, then k; any strides); v: [B, H, 1, dv]; decay (exp g), beta:
-    [B, H, 1, 1]. -> [B, H, 1, dv]. The same algebra as recurrent_step: one product reads q S and k S off the old
-    state, then the decay and the rank-1 write are the state's only other passes. Every operand keeps the state's
-    four dims, so no call goes to reshaping one (at one row each call costs more than its arithmetic)."""
-    q_read, k_read = torch.matmul(qk, states).split(1, 2)  # [B, H, 1, dv] each
-    delta = torch.addcmul(v, decay, k_read, value=-1).mul_(beta)  # [B, H, 1, dv]
+    [B, H, 1, 1]. -> [B, H, 1, dv]. The same algebra as recurrent_step with S = c T (T stored, c the scale): one
+    pass reads q T and k T (state_reads); with c' = c d the new state is c' (T + k delta^T / c'), so the decay
+    goes into the scale and the rank-1 write is the stored state's only other pass (read and written once, where
+    the plain form's decay made a second). Every operand keeps the state's four dims, so no call goes to reshaping
+    one (at one row each call costs more than its arithmetic)."""
+    q_read, k_read = state_reads(qk, states).split(1, 2)  # [B, H, 1, dv] each, of the stored state
+    scale_new = scale * decay  # c': the true state's factor once this token's decay is applied
+    delta = torch.addcmul(v, scale_new, k_read, value=-1).mul_(beta)  # [B, H, 1, dv]
     q, k = qk.split(1, 2)  # [B, H, 1, dk] each
     k_col = k.transpose(-1, -2)  # [B, H, dk, 1]
-    out = torch.addcmul(q_read.mul_(decay), torch.matmul(q, k_col), delta)  # q.k: [B, H, 1, 1]
-    states.mul_(decay)
-    states.addcmul_(k_col, delta)
+    out = torch.addcmul(q_read.mul_(scale_new), torch.matmul(q, k_col), delta)  # q.k: [B, H, 1, 1]
+    if v.shape[0] < SCALED_MIN_ROWS or not states.is_cpu:  # every row folded: the plain decay pass, scale 1
+        # (off a CPU so too: a fold check is a host sync there)
+        states.mul_(scale_new)
+        states.addcmul_(k_col, delta)
+        scale.fill_(1.0)
+        return out
+    heads = (scale_new < FOLD_BELOW).any(0).view(-1).nonzero().view(-1).tolist()
+    for h in heads:  # a head's rows in one strided pass each (a gather of the rows that fold, then a scatter, cost
+        # more), every row of it folded: the pass is paid, and the head's rows then fall in step, so the next fold
+        # comes with its fastest row's (folding only the rows below the bound left 44% of the heads folding a step
+        # at 32 rows, where 12% of the rows needed it)
+        states[:, h].mul_(scale_new[:, h])
+        scale_new[:, h] = 1.0
+    states.addcmul_(k_col, delta.div_(scale_new))
+    scale.copy_(scale_new)
     return out
 
 
 def decode_rule_at(qk: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-                   recurrent: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
+                   recurrent: torch.Tensor, scale: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
     """decode_rule for a step of decodes only (plan.all_decode) wherever their slots lie in recurrent
-    [num_slots, H, dk, dv]: in place on their run (plan.slot_run); on the run of slots they span, with identity
-    rows between (plan.decode_span: decay 1, beta 0 and k 0 leave a state as it was); else gathered and written
-    back. Arguments as decode_rule's, in batch order. -> [B, H, 1, dv]."""
+    [num_slots, H, dk, dv] and its scale [num_slots, H, 1, 1]: in place on their run (plan.slot_run); on the run
+    of slots they span, with identity rows between (plan.decode_span: decay 1, beta 0 and k 0 leave a true state
+    as it was; a fold of its head multiplies it by its scale, then 1); else gathered and written back. Arguments
+    as decode_rule's, in batch order. -> [B, H, 1, dv]."""
     num_seqs = v.shape[0]
     if plan.slot_run is not None:
         first = plan.slot_run
-        return decode_rule(qk, v, decay, beta, recurrent[first:first + num_seqs])
+        run = slice(first, first + num_seqs)
+        return decode_rule(qk, v, decay, beta, recurrent[run], scale[run])
     if plan.decode_span is not None:
         first, count = plan.decode_span
 
         def laid(x: torch.Tensor, pad: float) -> torch.Tensor:  # [B, ...] -> [count, ...] in slot order
             return torch.cat((x, x.new_full((1, *x.shape[1:]), pad))).index_select(0, plan.decode_span_rows)
 
-        o = decode_rule(laid(qk, 0.0), laid(v, 0.0), laid(decay, 1.0), laid(beta, 0.0), recurrent[first:first + count])
+        run = slice(first, first + count)
+        o = decode_rule(laid(qk, 0.0), laid(v, 0.0), laid(decay, 1.0), laid(beta, 0.0), recurrent[run], scale[run])
         return o.index_select(0, plan.decode_place)
     pool = recurrent.view(recurrent.shape[0], -1)  # (a 4-D index_select copied rows several times slower)
     states = pool.index_select(0, plan.slots).view(num_seqs, *recurrent.shape[1:])
-    o = decode_rule(qk, v, decay, beta, states)
+    scales = scale.index_select(0, plan.slots)
+    o = decode_rule(qk, v, decay, beta, states, scales)
     pool.index_copy_(0, plan.slots, states.view(num_seqs, -1))
+    scale.index_copy_(0, plan.slots, scales)
     return o

@@ -15,16 +15,17 @@ from rawserve.engine.loader import ModelConfig, Target, read_model_config
 from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, rms_normalize
 from rawserve.engine.models.delta_decode import decode_conv, decode_rule_at, scaled_l2_normalize_
-from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, \
+from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, fold_scales, \
     gated_delta_rule, l2_normalize, plan_delta_step
 from rawserve.engine.models.mrope import interleaved_streams, rope_tables
 from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.quant import QuantPlan
 
-__all__ = ["Qwen35Model", "StateBatch", "load_qwen35_model"]
+__all__ = ["LayerState", "Qwen35Model", "StateBatch", "load_qwen35_model"]
 
-# One linear layer's state: (conv [num_slots, kernel - 1, conv_dim], recurrent [num_slots, Hv, dk, dv] float32).
-LayerState = tuple[torch.Tensor, torch.Tensor]
+# One linear layer's state: (conv [num_slots, kernel - 1, conv_dim], recurrent [num_slots, Hv, dk, dv] float32,
+# its scale [num_slots, Hv, 1, 1] float32: the true recurrent state is scale * recurrent, gated_delta's docstring).
+LayerState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,13 +135,14 @@ class GatedDeltaNetLayer(Qwen35Layer):
 
     def forward(self, x: torch.Tensor, state: LayerState, plan: DeltaPlan,
                 lora: LoraBatch | None = None) -> torch.Tensor:
-        conv_state, recurrent = state
+        conv_state, recurrent, scale = state
         if plan.fresh_slots is not None:  # sequences with no token computed yet start from zeros
             conv_state.index_fill_(0, plan.fresh_slots, 0)
         if plan.fresh_recurrent is not None:  # (fresh prefills' recurrent states: chunked_rule's zero_start)
-            recurrent.index_fill_(0, plan.fresh_recurrent, 0)
+            recurrent.index_fill_(0, plan.fresh_recurrent, 0)  # (zero under any scale: a slot's stays as it was)
         if plan.all_decode:
-            return self.decode(x, conv_state, recurrent, plan, lora)
+            return self.decode(x, conv_state, recurrent, scale, plan, lora)
+        fold_scales(recurrent, scale, plan)  # the rule below reads and writes true states
         num_tokens = x.shape[0]
         proj = self.linear(self.norm(x, "input_layernorm"), "in_proj", lora=lora)  # [T, conv + value + 2 Hv]
         mixed = causal_conv(proj[:, :self.conv_dim], self.conv_taps, conv_state, plan)  # [T, conv_dim] float32
@@ -170,8 +172,8 @@ class GatedDeltaNetLayer(Qwen35Layer):
         del gate
         return self.mlp_block(x, self.linear(o.view(num_tokens, self.value_dim), "out_proj", lora=lora), lora)
 
-    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, plan: DeltaPlan,
-               lora: LoraBatch | None = None) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent: torch.Tensor, scale: torch.Tensor,
+               plan: DeltaPlan, lora: LoraBatch | None = None) -> torch.Tensor:
         """forward for a step of decodes only (plan.all_decode), the same arithmetic in fewer calls (at one row a
         call costs more than its arithmetic: the 0.8B's one-row step went from 2,005 top-level ops to 1,391). The
         conv and the rule take their one-token forms (decode_conv, decode_rule), z, b and a are one cast, the decay
@@ -190,7 +192,7 @@ class GatedDeltaNetLayer(Qwen35Layer):
         qk = scaled_l2_normalize_(qk.view(num_seqs, 2, self.num_k_heads, dk), self.qk_eps, self.qk_inv_scale_sq)
         if heads > self.num_k_heads:  # each key head serves `group` consecutive value heads
             qk = qk.repeat_interleave(heads // self.num_k_heads, dim=2)
-        o = decode_rule_at(qk.transpose(1, 2), v.view(num_seqs, heads, 1, dv), decay, b.sigmoid(), recurrent,
+        o = decode_rule_at(qk.transpose(1, 2), v.view(num_seqs, heads, 1, dv), decay, b.sigmoid(), recurrent, scale,
                            plan)  # [B, Hv, 1, dv] float32
         # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head
         o = F.rms_norm(o, (dv,), self.gated_norm_f32, self.cfg.rms_norm_eps).mul_(gate.view(num_seqs, heads, 1, dv))
@@ -293,23 +295,26 @@ class Qwen35Model(DecoderModel):
     def num_state_layers(self) -> int:
         return len(self.layers) - self.num_kv_layers
 
-    def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(conv state, recurrent state) shapes of one linear layer for num_slots sequences. The conv state holds
-        each sequence's last K - 1 inputs oldest first, each a contiguous row (gated_delta.decode_conv)."""
+    def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(conv state, recurrent state, its scale) shapes of one linear layer for num_slots sequences. The conv
+        state holds each sequence's last K - 1 inputs oldest first, each a contiguous row (gated_delta.decode_conv)."""
         hy = self.cfg.hybrid
+        heads = hy.linear_num_value_heads
         return ((num_slots, hy.linear_conv_kernel_dim - 1, hy.conv_dim),
-                (num_slots, hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim))
+                (num_slots, heads, hy.linear_key_head_dim, hy.linear_value_head_dim), (num_slots, heads, 1, 1))
 
     def state_bytes_per_slot(self) -> int:
-        conv, rec = self.state_shapes(1)
-        return self.num_state_layers * (conv[1] * conv[2] * self.norm.element_size() + rec[1] * rec[2] * rec[3] * 4)
+        conv, rec, scale = self.state_shapes(1)
+        return self.num_state_layers * (conv[1] * conv[2] * self.norm.element_size()
+                                        + (rec[1] * rec[2] * rec[3] + scale[1]) * 4)
 
     def allocate_states(self, num_slots: int, device: torch.device) -> list[LayerState]:
         """Zeroed states for num_slots sequences: conv at the model's dtype, recurrent in float32 (as transformers
-        keeps it: the recurrence accumulates over the whole sequence)."""
-        conv, rec = self.state_shapes(num_slots)
+        keeps it: the recurrence accumulates over the whole sequence), scales 1."""
+        conv, rec, scale = self.state_shapes(num_slots)
         return [(torch.zeros(conv, dtype=self.norm.dtype, device=device),
-                 torch.zeros(rec, dtype=torch.float32, device=device)) for _ in range(self.num_state_layers)]
+                 torch.zeros(rec, dtype=torch.float32, device=device),
+                 torch.ones(scale, dtype=torch.float32, device=device)) for _ in range(self.num_state_layers)]
 
     def targets(self) -> dict[str, Target]:
         prefix = self.cfg.hybrid.tensor_prefix
