@@ -123,12 +123,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     ctx = args.context
     harness = Harness(random_model(config_0_8b(ctx + 4), dtype, 64), ctx + 2, dtype)
-    start_states = [(conv.clone(), recurrent.clone()) for conv, recurrent in harness.states]
+    start_states = [tuple(t.clone() for t in layer) for layer in harness.states]  # conv, recurrent, its scale
 
     def from_start() -> None:
-        for (conv, recurrent), (conv0, recurrent0) in zip(harness.states, start_states):
-            conv.copy_(conv0)
-            recurrent.copy_(recurrent0)
+        for layer, start in zip(harness.states, start_states):
+            for t, t0 in zip(layer, start):
+                t.copy_(t0)
 
     with CachedLinears():
         for _ in range(3):  # warm-up: the cached outputs, the allocator
