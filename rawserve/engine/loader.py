@@ -512,9 +512,9 @@ def mapped_embedding(model_dir: str | pathlib.Path, cfg: ModelConfig, device: to
 
 # What a set-aside prefix holds, for load_weights' log line: a user reading "set aside" should not think the
 # vision tower of a checkpoint serving images was dropped.
+_MTP_HEAD = "the MTP head, read by --speculative-config method mtp"
 SET_ASIDE_PARTS = {"model.visual.": "the vision tower, loaded apart when images are served",
-                   "mtp.": "the MTP head, read by --speculative-config method mtp",
-                   "model.mtp.": "the MTP head, read by --speculative-config method mtp"}
+                   "mtp.": _MTP_HEAD, "model.mtp.": _MTP_HEAD}
 
 
 def load_weights(model_dir: str | pathlib.Path, targets: dict[str, Target], mapped: frozenset[str] = frozenset(),
