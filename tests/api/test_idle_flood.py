@@ -66,7 +66,12 @@ def test_health_probes_get_through_while_2000_idle_connections_hold_the_cap():
         attacker.join(30)
         http = srv.app.http
         assert http.num_evicted >= NUM_IDLE - CAP  # room was made by closing idle ones, not by refusing
-        assert http.num_connections <= CAP + 1
+        # An evicted connection leaves the count when its task has run its close, a loop turn or more after the
+        # newcomer that evicted it was counted; so the count settles at the cap once the backlog is drained.
+        deadline = time.monotonic() + 20
+        while http.num_connections > CAP and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http.num_connections <= CAP
     finally:
         stop.set()
         attacker.join(30) if attacker.is_alive() else None
