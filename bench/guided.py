@@ -257,12 +257,10 @@ class Ours:
         return runtime, compiled - began, time.perf_counter() - compiled
 
     def forget_shared(self) -> None:
-        """Drop what grammars share across grammars on this vocabulary (the masks by content, shared_masks): a
+        """Drop what grammars share across grammars on this vocabulary (the masks by content, its shared_masks): a
         case's first cold round is then process-cold, as a server's first request is. The per-tokenizer setup
         (the vocabulary index, the string lexemes' sets) stays, as the peers' tokenizer info does."""
-        from rawserve.engine.guided.shared_masks import shared_masks
-
-        shared_masks(self.vocab).clear()
+        self.vocab.shared_masks.clear()
 
     def cached_compile_s(self, schema: dict | None, reps: int) -> list[float]:
         """What a repeated schema costs the server: its canonical text (as request_spec makes it) and a

@@ -41,6 +41,10 @@ def test_repeat_runs_are_recorded_for_counted_strings_and_not_for_empty_items():
                                       "c": {"type": "array", "maxItems": 3, "items": {"type": "string",
                                                                                       "maxLength": 40}}},
      "required": ["a", "c"], "additionalProperties": False},
+    # runs in runs, and several spans: the pickle writes nothing for any virtual state and repeats their offsets
+    {"type": "object", "properties": {"a": {"type": "array", "maxItems": 12, "items": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 20}}, "required": ["s"]}},
+        "b": {"type": "string", "maxLength": 15}}, "required": ["a", "b"], "additionalProperties": False},
 ])
 def test_a_long_runs_virtual_copies_read_as_the_built_ones(monkeypatch, schema):
     """A run's middle copies are left virtual (nfa_rows): every state's edges read as a fully built NFA's, in

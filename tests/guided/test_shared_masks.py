@@ -12,7 +12,7 @@ from rawserve.engine.guided.grammar import Grammar, Repeat, alt, lit, seq
 from rawserve.engine.guided.json_schema import schema_to_grammar
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
-from rawserve.engine.guided.shared_masks import ENTRY_OVERHEAD_BYTES, SharedMasks, shared_masks
+from rawserve.engine.guided.shared_masks import ENTRY_OVERHEAD_BYTES, SharedMasks
 from rawserve.engine.guided.token_mask import TokenMask
 from rawserve.engine.guided.vocab import VocabIndex
 from tests.guided.test_lexemes import check_every_place, lexeme_vocab
@@ -44,7 +44,7 @@ def test_a_grammar_after_another_that_shares_its_lexemes_masks_as_brute_force(vo
     """The first grammar fills the vocabulary's shared masks from nothing; the second (its keys renamed, its counted
     string a bound apart, so some counted places meet masks the first made at another place) takes many of its
     masks from there. Both equal brute force at every place, and the second really took shared ones."""
-    shared = shared_masks(vocab)
+    shared = vocab.shared_masks
     shared.clear()
     first = GrammarRuntime(compile_grammar(schema_to_grammar(_schema("", 5)), "first"), vocab)
     check_every_place(first, vocab, _text("", "ab\\né"))
@@ -62,7 +62,7 @@ def test_a_grammar_after_another_that_shares_its_lexemes_masks_as_brute_force(vo
 def test_a_shared_mask_keeps_whether_its_configuration_accepts(vocab):
     """After `x` and after `y` the grammar allows the same tokens (runs of `a`), but only after `y` may it end there
     (EOS): the shared mask of one is not the other's."""
-    shared_masks(vocab).clear()
+    vocab.shared_masks.clear()
     grammar = Grammar({"root": alt(seq(lit("x"), Repeat(lit("a"), 1, None)), seq(lit("y"), Repeat(lit("a"), 0, None)))})
     runtime = GrammarRuntime(compile_grammar(grammar, "accepting"), vocab)
     a = runtime.automaton

@@ -67,7 +67,7 @@ class Automaton:
         self.configs: list[frozenset[tuple[int, int]]] = [frozenset()]
         self._config_ids: dict[frozenset[tuple[int, int]], int] = {frozenset(): DEAD}
         self.next_byte: list[tuple[int, ...]] = [DEAD_ROW]  # UNEXPANDED: not computed yet
-        self.next_token: list[dict[int, int]] = [{}]  # special token id -> configuration
+        self.next_token: list[dict[int, int] | None] = [{}]  # special token id -> configuration; None: not yet
         self.is_accepting: list[bool] = [False]
         self.is_complete: list[bool] = [False]  # accepting, and nothing more can follow
         # 0: dead; 1: a thread that never popped into a MARK frame is alive; 2: only MARK threads
@@ -80,6 +80,13 @@ class Automaton:
         self._alive: dict[int, tuple[tuple[int, int], ...]] = {}  # expanded configuration -> alive_runs
         self._partial: dict[int, dict[int, int]] = {}  # unexpanded configuration -> the bytes stepped so far
         self._spare: dict[tuple[int, int], int] = {}  # (configuration, run) -> spare_in, asked per trie node
+        self._edge_lists: dict[int, tuple[tuple[int, int, int, int], ...]] = {}  # configuration -> _edges
+        self._edge_bytes: dict[int, int] = {}  # configuration -> edge_bytes
+        self._edge_runs: dict[int, tuple[tuple[int, int], ...]] = {}  # configuration -> edge_runs
+        # the threads a byte moves (in edge order) -> the configuration of their closure, for every configuration's
+        # steps (expand, step_some, run_steps): a third of a cold pass's closures were of threads another
+        # configuration's byte had moved already (a key's next letter, reached from two configurations)
+        self._moved: dict[tuple[tuple[int, int], ...], int] = {}
         self._mark_stack = self._push(self.mark, 0)
         self.start = self._intern(self._closure([(g.rule_start[g.start_rule], 0)]))
 
@@ -182,7 +189,7 @@ class Automaton:
         self._config_ids[threads] = cid
         self.configs.append(threads)
         self.next_byte.append(UNEXPANDED)
-        self.next_token.append({})
+        self.next_token.append(None)
         accepting = (self.accept_state, 0) in threads
         self.is_accepting.append(accepting)
         self.is_complete.append(accepting and len(threads) == 1)
@@ -371,9 +378,9 @@ class Automaton:
         edges = self._edges(cid)
         cuts = sorted({0, 256, *(lo for lo, _, _, _ in edges), *(hi + 1 for _, hi, _, _ in edges)})
         row = [DEAD] * 256
-        # Byte runs that move the same threads share one closure: a string character's class is cut into a
-        # dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
-        closed: dict[tuple[tuple[int, int], ...], int] = {}
+        # Byte runs that move the same threads share one closure (_moved): a string character's class is cut
+        # into a dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
+        closed = self._moved
         alive: list[tuple[int, int]] = []
         for begin, end in zip(cuts, cuts[1:]):
             moved = tuple([(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi])
@@ -413,7 +420,7 @@ class Automaton:
         if cid == DEAD or self.next_byte[cid][0] >= 0:
             return None
         edges = self._edges(cid)
-        closed: dict[tuple[tuple[int, int], ...], int] = {}
+        closed = self._moved
         out = []
         for lo, hi, _ in runs:
             moved = []
@@ -431,14 +438,40 @@ class Automaton:
 
     def edge_bytes(self, cid: int) -> int:
         """The bytes some byte edge of cid's threads takes, as a bitmask (bit b: byte b): those its row may lead on
-        from (a superset of the alive ones), read without building the row."""
-        covered = 0
-        for lo, hi, _, _ in self._edges(cid):
-            covered |= (1 << (hi + 1)) - (1 << lo)
+        from (a superset of the alive ones), read without building the row. Kept: a narrow configuration is asked
+        by its refusals and its walk's width each."""
+        covered = self._edge_bytes.get(cid)
+        if covered is None:
+            covered = 0
+            for lo, hi, _, _ in self._edges(cid):
+                covered |= (1 << (hi + 1)) - (1 << lo)
+            self._edge_bytes[cid] = covered
         return covered
 
-    def _edges(self, cid: int) -> list[tuple[int, int, int, int]]:
-        """(lo, hi, target state, stack id) of every byte edge of cid's threads."""
+    def edge_runs(self, cid: int) -> tuple[tuple[int, int], ...]:
+        """The maximal byte runs [begin, end) that some byte edge of cid's threads takes: a superset of alive_runs,
+        read without building the row. A narrow walk reads a wide trie node's children in these and steps cid by
+        their bytes alone (step_some): a key's or a number's row, built, made 256 entries that nothing read. Kept,
+        as a walk meets a configuration at every wide node below it."""
+        runs = self._edge_runs.get(cid)
+        if runs is None:
+            merged: list[tuple[int, int]] = []
+            for lo, hi in sorted([(lo, hi + 1) for lo, hi, _, _ in self._edges(cid)]):
+                if merged and lo <= merged[-1][1]:
+                    if hi > merged[-1][1]:
+                        merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            runs = self._edge_runs[cid] = tuple(merged)
+        return runs
+
+    def _edges(self, cid: int) -> tuple[tuple[int, int, int, int], ...]:
+        """(lo, hi, target state, stack id) of every byte edge of cid's threads. Kept: a narrow configuration's are
+        read by its refusals (edge_bytes: the string lexeme's, a counted place's, the walk's width), by its walk
+        (edge_runs) and by each step_some, three to five times a mask, where expand read them once."""
+        edges = self._edge_lists.get(cid)
+        if edges is not None:
+            return edges
         byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
         read = self._read_bytes
         edges = []
@@ -452,6 +485,7 @@ class Automaton:
                 if row is None:
                     row = byte_edges[s]
             edges += [(lo, hi, t, sid) for lo, hi, t in row]
+        edges = self._edge_lists[cid] = tuple(edges)  # a tuple of int tuples: untracked by the garbage collector
         return edges
 
     def step_some(self, cid: int, data: Iterable[int]) -> tuple[int, ...] | dict[int, int]:
@@ -465,16 +499,19 @@ class Automaton:
         if known is None:
             known = self._partial[cid] = {}
         edges = None
-        closed: dict[tuple[tuple[int, int], ...], int] = {}
+        closed = self._moved
         for byte in data:
             if byte in known:
                 continue
             if edges is None:
-                edges = self._edges(cid)
-            moved = tuple((t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi)
+                edges, covered = self._edges(cid), self.edge_bytes(cid)
+            if not covered >> byte & 1:  # no edge takes it: most of a narrow trie node's children for a key's letter
+                known[byte] = DEAD
+                continue
+            moved = tuple([(t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi])
             nxt = closed.get(moved)
             if nxt is None:
-                nxt = closed[moved] = self._intern(self._closure(list(moved))) if moved else DEAD
+                nxt = closed[moved] = self._intern(self._closure(list(moved)))
             known[byte] = nxt
         return known
 
@@ -494,10 +531,13 @@ class Automaton:
         return cid
 
     def allowed_tokens(self, cid: int) -> dict[int, int]:
-        """Special tokens this configuration can take now -> the configuration after each."""
+        """Special tokens this configuration can take now -> the configuration after each (worked out once: None in
+        next_token until then; an empty answer, most configurations', was worked out again at every ask, twice
+        per mask and per advance)."""
         cache = self.next_token[cid]
-        if cache or cid == DEAD:
+        if cache is not None:
             return cache
+        cache = self.next_token[cid] = {}
         moves: dict[int, list[tuple[int, int]]] = {}
         token_edges = self.g.token_edges
         read = self._read_tokens

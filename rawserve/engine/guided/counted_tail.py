@@ -198,7 +198,10 @@ class CountedTail:
             return self._left[cid]
         a = self.walk.automaton
         lexer = string_lexer()
-        if a.kind[cid] != 1 or lexer.start not in lexer.by_alive.get(a.alive_runs(cid), ()):
+        # refused from its edges when they cover not all the bytes the start takes (its row stays unbuilt: a key's,
+        # a number's), else from its row's alive runs
+        if a.kind[cid] != 1 or (a.next_byte[cid][0] < 0 and lexer.start_alive & ~a.edge_bytes(cid)) or (
+                lexer.start not in lexer.by_alive.get(a.alive_runs(cid), ())):
             self._left[cid] = None
             return None
         return self.left(cid)

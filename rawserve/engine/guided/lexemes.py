@@ -31,6 +31,8 @@ SHIFT_SPARE = 5
 # 129 nodes, 2 ms of CPU and ~60 KB on Qwen3's vocabulary, which a first request's narrow walk paid before (its
 # `"` and ` "` alone 0.6 ms, twice with counted strings).
 OPENING_QUOTE_MAX_DEPTH = 4
+# StringLexer.may_pair's answers kept, at most (one per distinct set of bytes a configuration's edges cover).
+MAX_KEPT_COVERS = 4096
 
 
 class StringLexer:
@@ -38,7 +40,8 @@ class StringLexer:
     `"`), as a fully expanded Automaton (37 states): `start` is a character boundary, `close` the state after the
     closing quote, `segments[state]` its row as runs (lo, hi, next) of bytes that move alike, and `by_alive` the
     states (not close) by which bytes they take, as maximal alive runs (what Automaton.alive_runs reads off a
-    configuration's expansion, with no pass over its 256 entries)."""
+    configuration's expansion, with no pass over its 256 entries); `start_alive` the bytes the start takes, as a
+    bitmask (bit b: byte b), which a configuration's edges must cover for it to pair with the start."""
 
     def __init__(self) -> None:
         a = Automaton(compile_grammar(Grammar({"root": seq(Repeat(CHAR, 0, None), lit('"'))}), "lexeme:json-string"))
@@ -69,8 +72,21 @@ class StringLexer:
                 self.by_alive.setdefault(row_alive_runs(row), []).append(c)
         # each alive set of by_alive as a bitmask (bit b: byte b): LexemeWalk.match's refusal before a row is built
         self.alive_masks = tuple(sum((1 << end) - (1 << begin) for begin, end in key) for key in self.by_alive)
+        self.start_alive = sum((1 << end) - (1 << begin) for begin, end in row_alive_runs(self.rows[self.start]))
+        self._may_pair: dict[int, bool] = {}
         # [states * 256] next state per state * 256 + byte, for the vocabulary's dense walk
         self.table = torch.tensor([nxt for row in self.rows for nxt in row], dtype=torch.int64)
+
+    def may_pair(self, covered: int) -> bool:
+        """Whether a configuration whose edges cover the bytes `covered` (a bitmask, Automaton.edge_bytes) may move
+        as some state of the lexer does: only if they cover one state's alive bytes whole. Kept per bitmask (a
+        schema's keys and numbers ask the same few, each a pass over the lexer's 13 alive sets)."""
+        hit = self._may_pair.get(covered)
+        if hit is None:
+            if len(self._may_pair) >= MAX_KEPT_COVERS:  # the process's lexer: bounded whatever the grammars
+                self._may_pair.clear()
+            hit = self._may_pair[covered] = any(mask & ~covered == 0 for mask in self.alive_masks)
+        return hit
 
 
 def _row_moves(row: list[int], segments: list[tuple[int, int, int]]) -> list[tuple[int, int]] | None:
@@ -392,11 +408,19 @@ class LexemeWalk:
         # their rows stay unbuilt where a narrow walk steps a few bytes (a cut's row nothing else reads, or one
         # reached below an opening quote): nested20's first pass interns 1,622 configurations, not 1,663 (its CPU
         # the same within the box's noise).
-        if a.next_byte[cut][0] < 0:
-            covered = a.edge_bytes(cut)
-            if not any(mask & ~covered == 0 for mask in lexer.alive_masks):
-                self._matched[cid] = None
-                return None
+        if a.next_byte[cut][0] < 0 and not lexer.may_pair(a.edge_bytes(cut)):
+            self._matched[cid] = None
+            return None
+        # A counted string's place whose shift a kept pairing proves is taken by _match_counted without its row: the
+        # lexer's start alone has its alive bytes, and it fails the start's own pairing below (a character leads a
+        # copy on), so that is where it would end. Its row interned ten or so configurations (one per class of
+        # bytes) that nothing else reads, most of each such place's first mask (nested20's names and gift message).
+        if a.shift_key(cid) in self._counted:
+            close = self._match_counted(cid)
+            if close is not None:
+                self.num_counted += 1
+                result = self._matched[cid] = (lexer.start, close)
+                return result
         row = a.expand(cut)
         result = None
         alike = lexer.by_alive.get(a.alive_runs(cut), ())

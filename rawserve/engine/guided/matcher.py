@@ -18,11 +18,10 @@ import torch
 
 from rawserve.engine.guided.automaton import DEAD, Automaton
 from rawserve.engine.guided.counted_tail import CountedTail, InsideUpTo, counted_tokens
-from rawserve.engine.guided.lexemes import LexemeWalk, StringLexeme, prepare_string_lexemes
+from rawserve.engine.guided.lexemes import LexemeWalk, StringLexeme, prepare_string_lexemes, string_lexer
 from rawserve.engine.guided.mask_worker import MaskWorker
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.plain_walk import PlainWalk
-from rawserve.engine.guided.shared_masks import shared_masks
 from rawserve.engine.guided.token_mask import TokenMask, id_tensor
 from rawserve.engine.guided.vocab import VocabIndex
 
@@ -74,7 +73,7 @@ class GrammarRuntime:
         self._lexeme = LexemeWalk(self.automaton, vocab)  # configurations inside a JSON string body
         self._tail = CountedTail(self._lexeme)  # a counted string's last places: the lexeme's tokens by count
         self._shared: dict[tuple, TokenMask] = {}  # per (cut configuration, ids checked one by one, ...)
-        self._shared_masks = shared_masks(vocab)  # equal masks are one object, across grammars too
+        self._shared_masks = vocab.shared_masks  # equal masks are one object, across grammars too
         # the device in its keys as a string: a key of strs and ints is untracked by the garbage collector
         self._device_key = str(self.device)
         self._token_next: dict[tuple[int, int], int] = {}
@@ -266,16 +265,24 @@ class GrammarRuntime:
         tensors (densely when wide)."""
         if cid == DEAD:
             return -1, torch.zeros(0, dtype=torch.int64), [], None
-        # inside a JSON string (at a character boundary, or within a character or an escape): the lexeme's
-        # inside set, shared by every grammar, and only the close tokens walked
-        lexeme = self._lexeme.walk(cid)
-        if lexeme is None:  # or a counted string's last places: its tokens of at most the characters left
-            lexeme = self._tail.mask_sets(cid)
-        if lexeme is not None:
-            self.num_walks["lexeme"] += 1
-            return IN_STRING_LEXEME, lexeme[1], lexeme[2], lexeme[0]
-        first = self.automaton.expand(cid)
-        num_live_first = 256 - first.count(DEAD)
+        a = self.automaton
+        # The bytes cid's edges cover bound those it takes. Most configurations' (a key's, a number's, an enum's)
+        # cover no string lexer state's alive bytes: then cid is inside no string, counted or not (both ask
+        # that), and is known narrow without building its row, which its walk leaves unbuilt too (_walk_py).
+        covered = a.edge_bytes(cid)
+        if string_lexer().may_pair(covered):
+            # inside a JSON string (at a character boundary, or within a character or an escape): the lexeme's
+            # inside set, shared by every grammar, and only the close tokens walked
+            lexeme = self._lexeme.walk(cid)
+            if lexeme is None:  # or a counted string's last places: its tokens of at most the characters left
+                lexeme = self._tail.mask_sets(cid)
+            if lexeme is not None:
+                self.num_walks["lexeme"] += 1
+                return IN_STRING_LEXEME, lexeme[1], lexeme[2], lexeme[0]
+        if a.next_byte[cid][0] < 0 and covered.bit_count() <= DENSE_WALK_FIRST_BYTES:
+            num_live_first = 0
+        else:
+            num_live_first = 256 - a.expand(cid).count(DEAD)
         if num_live_first > DENSE_WALK_FIRST_BYTES:
             plain = self._plain.walk(cid)
             if plain is not None:
@@ -297,7 +304,8 @@ class GrammarRuntime:
         None past PY_WALK_BUDGET edges."""
         a = self.automaton
         node_byte, first_child, num_children, node_token = self.vocab.py_arrays()
-        next_byte, expand, step_some, kind, alive_runs = a.next_byte, a.expand, a.step_some, a.kind, a.alive_runs
+        next_byte, expand, step_some, kind = a.next_byte, a.expand, a.step_some, a.kind
+        alive_runs, edge_runs, edge_bytes = a.alive_runs, a.edge_runs, a.edge_bytes
         below_quote, below_tail = self._lexeme.walk_below, self._tail.walk_below
         certain: list[int] = []
         uncertain: list[int] = []
@@ -309,14 +317,19 @@ class GrammarRuntime:
             begin = first_child[node]
             end = begin + num_children[node]
             if end - begin > PY_WALK_STEP_SOME_MAX:
-                if row[0] < 0:
-                    expand(c)
                 # a wide node (the root, `"`, a space: up to 256 children) read in the bytes c takes alone, found
                 # by bisection (VocabIndex lays a node's children out in byte order): 98% of the children a narrow
-                # walk looked at were dead
-                children = [j for lo, hi in alive_runs(c) for j in range(bisect_left(node_byte, lo, begin, end),
-                                                                         bisect_left(node_byte, hi, begin, end))]
-                row = next_byte[c]
+                # walk looked at were dead. An unexpanded c is read in the runs its edges cover and stepped by
+                # the bytes of the children there alone: its row stays unbuilt.
+                runs = edge_runs(c) if row[0] < 0 else None
+                if runs is not None and edge_bytes(c).bit_count() > DENSE_WALK_FIRST_BYTES:
+                    runs = None  # wide: one row costs less than stepping byte by byte
+                    row = expand(c)
+                children = [j for lo, hi in (alive_runs(c) if runs is None else runs)
+                            for j in range(bisect_left(node_byte, lo, begin, end),
+                                           bisect_left(node_byte, hi, begin, end))]
+                if row[0] < 0:
+                    row = step_some(c, [node_byte[j] for j in children])
             else:
                 if row[0] < 0:
                     # inside a token few bytes go on, and most configurations there are never a request's: stepped
@@ -351,7 +364,8 @@ class GrammarRuntime:
 
     def _list_mask(self, certain: list[int], more: list[int], accepting: bool) -> TokenMask:
         """A narrow mask in Python and one tensor (the cat, isin and unique of _tensor_mask cost 50-100 us a mask,
-        most of a key's or a digit's), or the equal one another configuration or grammar made (shared_masks)."""
+        most of a key's or a digit's), or the equal one another configuration or grammar made
+        (VocabIndex.shared_masks)."""
         ids = set(certain)
         ids.update(more)
         ids = sorted(ids)
@@ -369,8 +383,8 @@ class GrammarRuntime:
     def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],
                      accepting: bool) -> TokenMask:
         """A string lexeme's inside set with the walked ids allowed too (they carry their duplicates): one per
-        lexeme and walked set whatever the configuration or grammar (shared_masks): a string's places, and every
-        schema's strings, walk the same few close sets."""
+        lexeme and walked set whatever the configuration or grammar (VocabIndex.shared_masks): a string's places,
+        and every schema's strings, walk the same few close sets."""
         allowed = set(certain)
         allowed.update(more)
         allowed = sorted(allowed)

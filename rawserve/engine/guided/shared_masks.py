@@ -1,5 +1,6 @@
 """Token masks shared by every grammar on one vocabulary, found by what they allow: a mask is a function of its
 allowed set alone, whichever grammar or configuration reached it. Core side; bounded, least recently used dropped.
+Owned by the VocabIndex (`VocabIndex.shared_masks`), made with it, so no thread races to make it.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ ENTRY_OVERHEAD_BYTES = 400
 
 
 class SharedMasks:
-    """Masks by content, for every GrammarRuntime of one vocabulary (`shared_masks`). A key names the whole allowed
-    set (and the device, and whether the configuration accepts): a narrow mask's sorted ids, or a string lexeme's
-    sets (its lexer state, or a counted place's characters left) with the sorted ids its walk allowed beside them.
+    """Masks by content, for every GrammarRuntime of one vocabulary (`VocabIndex.shared_masks`). A key names the
+    whole allowed set (and the device, and whether the configuration accepts): a narrow mask's sorted ids, or a string
+    lexeme's sets (its lexer state, or a counted place's characters left) with the sorted ids its walk allowed beside
+    them.
 
     Why: one output's string places, and every schema's, end in a handful of such sets (nested20's first pass made
     328 masks, 120 of them distinct; a later schema with its keys renamed, 6 new lexeme ones of 35), and a string's
@@ -67,17 +69,3 @@ class SharedMasks:
         with self._lock:
             self._masks.clear()
             self.nbytes = 0
-
-
-_MAKE_LOCK = threading.Lock()
-
-
-def shared_masks(vocab) -> SharedMasks:
-    """The vocabulary's SharedMasks, made by whichever thread asks first."""
-    shared = getattr(vocab, "_shared_masks", None)
-    if shared is None:
-        with _MAKE_LOCK:
-            shared = getattr(vocab, "_shared_masks", None)
-            if shared is None:
-                shared = vocab._shared_masks = SharedMasks()
-    return shared

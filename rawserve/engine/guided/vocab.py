@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from rawserve.engine.guided.shared_masks import SharedMasks
+
 log = logging.getLogger("rawserve.engine")
 # The plain split and the Python arrays are built once, by whichever thread asks first (the registry's helper
 # thread at start, or a step that cannot wait for it); the other waits rather than building them again.
@@ -38,13 +40,19 @@ class VocabIndex:
     level: child_start[d][i] .. child_start[d][i] + child_count[d][i]. node_token[d][i] is the token
     whose bytes end at that node (-1 if none); tokens with the same bytes as another are `dup_ids`,
     allowed exactly when their `dup_canon` is.
+
+    `shared_masks` holds the token masks every grammar on this vocabulary shares by content: made here, with the
+    index (and not on the first grammar's first mask), so the mask worker and the step's thread find one object.
     """
+
+    shared_masks: SharedMasks
 
     def __init__(self, token_bytes: list[bytes], special_ids: set[int], vocab_size: int) -> None:
         self.vocab_size = vocab_size  # the logits width; ids past len(token_bytes) are padding
         self.token_bytes = list(token_bytes) + [b""] * max(0, vocab_size - len(token_bytes))
         self.special_ids = sorted(i for i in special_ids if i < vocab_size)
         self.special_set = frozenset(self.special_ids)
+        self.shared_masks = SharedMasks()
         self._build()
 
     def _build(self) -> None:
@@ -167,6 +175,7 @@ class VocabIndex:
                      "child_count", "dup_ids", "dup_canon", "num_nodes"):
             setattr(self, name, state[name])
         self.special_set = frozenset(self.special_ids)
+        self.shared_masks = SharedMasks()
         self._flatten()
         return self
 
