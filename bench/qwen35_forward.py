@@ -2,7 +2,7 @@
 length and delta-rule chunk size, and a decode step's ms after a given context.
 
 python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192,32768] [--rows 1,32] [--chunks 32,64,128]
-    [--dtype bfloat16] [--decode-attention auto,sdpa] [--prefill-chunk 2048,0] [--threads 1]
+    [--dtype bfloat16] [--decode-attention auto,sdpa] [--prefill-chunk 2048,0] [--threads 1] [--wave 32x128,32x16@112]
 Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared; decode rows
 also give the process CPU time per step and the step's top-level torch op count, which the load does not move). A
 decode's cost does not depend on the values in its context, so the decode rows fill the KV cache and the states
@@ -13,6 +13,10 @@ Memory per sequence (states + KV) is computed from the shapes. --decode-attentio
 both ways, alternating (auto: the engine's pick, long_decode.takes_long_path: the long-context
 path from long_decode.LONG_DECODE_TOKENS on, or for a large enough batch; sdpa: the batched SDPA at every length;
 long: the long-context path at every length).
+--wave times steps of many prompts at once, as a wave of new requests reaches the engine: NxL is N fresh prompts
+of L tokens in one step, NxL@S their L tokens after S already computed (carried states: the 16-token tails the
+prefix cache's save edge leaves a 128-token prompt, 32x16@112); each row gives the step's ms and the delta rule's
+ms and share of it (the layers' gated_delta_rule calls, timed in place), the waves in interleaved rounds.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from rawserve.engine.attention import long_decode
 from rawserve.engine.loader import HybridConfig, ModelConfig
 from rawserve.engine.models.packed import cpu_prepack_supported
 from rawserve.engine.models.gated_delta import StateBatch
+from rawserve.engine.models import qwen35
 from rawserve.engine.models.qwen35 import Qwen35Model
 from rawserve.engine.step_plan import StepInput
 from rawserve.process_stats import keep_freed_heap
@@ -131,6 +136,63 @@ def step_cost(step, reps: int, warmup: int = 2) -> dict:
             "top_level_ops": sum(1 for e in prof.events() if e.cpu_parent is None)}
 
 
+class RuleClock:
+    """Wall seconds spent in the Gated DeltaNet layers' gated_delta_rule calls while entered (qwen35's name for
+    it wrapped, restored on exit)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.real = qwen35.gated_delta_rule
+
+    def __enter__(self) -> RuleClock:
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return self.real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        qwen35.gated_delta_rule = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        qwen35.gated_delta_rule = self.real
+
+
+def parse_wave(spec: str) -> tuple[int, int, int]:
+    """NxL or NxL@S -> (prompts, new tokens each, tokens computed before them)."""
+    rows, _, rest = spec.partition("x")
+    tokens, _, start = rest.partition("@")
+    return int(rows), int(tokens), int(start or 0)
+
+
+def wave_rows(model: Qwen35Model, dtype: torch.dtype, specs: list[str], reps: int, base: dict) -> None:
+    """Each wave (parse_wave) as one step on its own slots, the waves in interleaved rounds after a warm-up round:
+    the step's ms and the delta rule's (medians, and the step's best)."""
+    waves = [parse_wave(spec) for spec in specs]
+    harness = Harness(model, max(n + start for _, n, start in waves) + 2, dtype, max(rows for rows, _, _ in waves))
+    ids = torch.randint(0, 1000, (max(n for _, n, _ in waves),)).tolist()
+    steps = {spec: [] for spec in specs}
+    rules = {spec: [] for spec in specs}
+    for round_index in range(1 + reps):
+        for spec, (rows, n, start) in zip(specs, waves):
+            with RuleClock() as clock:
+                started = time.perf_counter()
+                harness.step(ids[:n], start, rows)
+                elapsed = time.perf_counter() - started
+            if round_index:
+                steps[spec].append(elapsed)
+                rules[spec].append(clock.seconds)
+    for spec, (rows, n, start) in zip(specs, waves):
+        step_ms, rule_ms = statistics.median(steps[spec]) * 1e3, statistics.median(rules[spec]) * 1e3
+        print(json.dumps({**base, "kind": "wave", "wave": spec, "prompts": rows, "tokens_each": n,
+                          "computed_before": start, "step_ms_median": round(step_ms, 1),
+                          "step_ms_min": round(min(steps[spec]) * 1e3, 1), "rule_ms_median": round(rule_ms, 1),
+                          "rule_share": round(rule_ms / step_ms, 3), "reps": reps,
+                          "load_avg_1m": round(os.getloadavg()[0], 2)}), flush=True)
+    del harness
+
+
 def memory_per_sequence(cfg: ModelConfig, model: Qwen35Model, context: int, dtype: torch.dtype) -> dict:
     """Bytes one sequence holds: the hybrid's states (fixed) and KV (6 of 24 layers), against dense decoders'
     KV: the same 24 layers all full attention, and Qwen3-0.6B (28 layers, 8 KV heads of 128)."""
@@ -158,12 +220,15 @@ def main() -> None:
                         help="prefill in steps of this many tokens (--max-num-batched-tokens; 0: one step), or "
                              "several: 2048,0")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0: torch's default")
+    parser.add_argument("--wave", default="", help="steps of many prompts: NxL (N fresh prompts of L tokens in one "
+                                                   "step) or NxL@S (after S tokens each), several: 32x128,32x16@112")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_heap()  # as the engine's runner does on a CPU
     dtype = getattr(torch, args.dtype)
     prefills = [int(n) for n in args.prefill.split(",") if n]
+    waves = [spec for spec in args.wave.split(",") if spec]
     prefill_chunks = [int(n) for n in args.prefill_chunk.split(",") if n]
     contexts = [int(n) for n in args.context.split(",") if n]
     batch_rows = [int(n) for n in args.rows.split(",") if n]
@@ -178,13 +243,15 @@ def main() -> None:
         use(mode)
         return "chunked" if long_decode.takes_long_path(rows, ctx + 1) else "sdpa"
 
-    most = max(prefills + contexts) + 2
+    most = max(prefills + contexts + [n + start for _, n, start in map(parse_wave, waves)]) + 2
     cfg = config_0_8b(most)
     base = {"bench": "qwen35_forward", "model": "qwen3.5-0.8b-random", "dtype": args.dtype,
             "threads": torch.get_num_threads(), "rev": rev(), "load_avg_1m": round(os.getloadavg()[0], 2)}
     ids = torch.randint(0, 1000, (max(prefills + [1]),)).tolist()
     for chunk in (int(c) for c in args.chunks.split(",")):
         model = random_model(cfg, dtype, chunk)
+        if waves:
+            wave_rows(model, dtype, waves, args.reps, {**base, "chunk_size": chunk})
         harness = Harness(model, most, dtype)
         # Each prompt length at each step size (chunked prefill: one step per chunk, as the engine runs it), in
         # interleaved rounds after one warm-up round

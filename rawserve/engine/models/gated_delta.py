@@ -50,14 +50,15 @@ class PrefillGroup:
     ordered chunk index first, so the chunks of the scan's i-th round are one contiguous run, its sequences the
     first `num_active` of `slots` (longest first)."""
 
-    slots: torch.Tensor  # [num_seqs] int64 state slots, longest first
+    slots: torch.Tensor  # [num_seqs] int64 state slots, longest first (equal lengths: lowest slot first)
     zero_start: bool  # fresh sequences: chunked_rule's zero_start
     chunk_size: int
     rounds: list[tuple[int, int]]  # per chunk index: (first chunk, sequences that have it)
     chunk_gather: torch.Tensor  # [num_chunks * chunk_size] token row per chunk position (0: pad)
     chunk_pads: torch.Tensor | None  # [num_chunks, 1, chunk_size] bool: pad positions (None: none)
-    tokens: torch.Tensor  # [num_group_tokens] the group's token rows
+    tokens: torch.Tensor  # [num_group_tokens] the group's token rows, ascending
     positions: torch.Tensor  # [num_group_tokens] each one's chunk position
+    slot_run: int | None = None  # slots are slot_run, slot_run + 1, ...: the rule scans the pool's rows in place
     # (rows per token, heads) -> flat row indices of the chunked layout (chunk_rows), and (-1, heads) -> the rows
     # from_chunks reads back: every layer has the same
     gathers: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -74,8 +75,9 @@ def prefill_size_class(length: int, chunk_size: int) -> int:
 class DeltaPlan:
     """One step's layout for every Gated DeltaNet layer, built once (plan_delta_step) and shared by them.
 
-    Conv: each sequence's kernel - 1 saved inputs are laid in front of its new tokens in one [rows, conv_dim]
-    tensor ("history"), so a single shifted multiply-add runs the whole batch's conv.
+    Conv: one shifted multiply-add over the step's new rows as they lie, which is each row's window but for the
+    first kernel - 1 rows of each sequence; those are redone from the sequence's "edges" (its saved inputs, then
+    its first and last kernel - 1 new rows, gathered small), which also give its new conv state.
     Delta rule: decode rows (one new token) take the recurrent step together; prefill rows are cut into
     chunks, one layout per PrefillGroup: fresh ones (no token computed yet), which the rule starts from zeros
     without reading a state, apart from carried ones, and each by size class.
@@ -83,10 +85,14 @@ class DeltaPlan:
 
     slots: torch.Tensor  # [num_seqs] int64 state slot of each sequence
     fresh_slots: torch.Tensor | None  # int64 slots whose conv state starts from zeros this step
+    carried_slots: torch.Tensor | None  # int64 slots whose states carry into this step (the rest are fresh)
     fresh_recurrent: torch.Tensor | None  # int64 slots whose recurrent state must be zeroed before the rule reads it
-    history_index: torch.Tensor  # [num_seqs * (kernel - 1) + num_tokens] rows of cat(saved inputs, new inputs)
-    conv_out_index: torch.Tensor  # [num_tokens] row of the shifted sum holding each token's conv output
-    conv_state_index: torch.Tensor  # [num_seqs * (kernel - 1)] history rows that become each sequence's state
+    # the conv's edges are cat(saved inputs [num_seqs * (kernel - 1)], new rows at conv_edge_rows)
+    conv_edge_rows: torch.Tensor  # token rows: each sequence's first, then (if more) last kernel - 1
+    conv_state_index: torch.Tensor  # [num_seqs * (kernel - 1)] edge rows that become each sequence's state
+    conv_head_index: torch.Tensor  # [num_seqs * 2 (kernel - 1)] edge rows: saved inputs, first new rows (padded)
+    conv_head_valid: torch.Tensor  # rows of the heads' [num_seqs * (kernel - 1)] outputs that are tokens' ...
+    conv_head_rows: torch.Tensor  # ... and those tokens' rows
     decode_tokens: torch.Tensor | None  # [num_decodes] token rows of the one-token sequences
     decode_slots: torch.Tensor | None  # [num_decodes] their slots
     decode_span: tuple[int, int] | None  # (first slot, count): the decodes' slots lie in this run of the pool
@@ -119,9 +125,11 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     num_seqs = len(state.slots)
     num_tokens = query_start_loc[-1]
     keep = kernel - 1
-    history: list[int] = []  # rows of cat(saved [num_seqs * keep], new [num_tokens])
-    conv_out: list[int] = []
+    edge_rows: list[int] = []  # the conv's edges: cat(saved [num_seqs * keep], x[edge_rows])
     conv_state: list[int] = []
+    head_index: list[int] = []
+    head_valid: list[int] = []
+    head_rows: list[int] = []
     decode_tokens: list[int] = []
     decode_slots: list[int] = []
     # The chunked rule starts fresh prefills from zeros itself (their group's zero_start) and overwrites their
@@ -131,11 +139,19 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     for i in range(num_seqs):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         n = end - start
-        base = len(history)
-        history.extend(range(i * keep, (i + 1) * keep))
-        history.extend(range(num_seqs * keep + start, num_seqs * keep + end))
-        conv_out.extend(range(base, base + n))  # output row r sums history rows r .. r + keep
-        conv_state.extend(range(base + n, base + n + keep))
+        # the first min(keep, n) new rows: their windows reach into the saved inputs
+        heads = min(keep, n)
+        first = num_seqs * keep + len(edge_rows)
+        edge_rows.extend(range(start, start + heads))
+        head_index.extend([*range(i * keep, (i + 1) * keep), *range(first, first + heads)] + [first] * (keep - heads))
+        head_valid.extend(range(i * keep, i * keep + heads))
+        head_rows.extend(range(start, start + heads))
+        if n > keep:  # the state is the last keep new rows
+            last = num_seqs * keep + len(edge_rows)
+            edge_rows.extend(range(end - keep, end))
+            conv_state.extend(range(last, last + keep))
+        else:  # the saved inputs after the first n, then the n new rows
+            conv_state.extend([*range(i * keep + n, (i + 1) * keep), *range(first, first + n)])
         if n == 1:
             decode_tokens.append(start)
             decode_slots.append(state.slots[i])
@@ -148,12 +164,15 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     fresh = [slot for slot, is_fresh in zip(state.slots, state.fresh) if is_fresh]
+    carried = [slot for slot, is_fresh in zip(state.slots, state.fresh) if not is_fresh]
     span, span_rows, place = decode_span(decode_tokens, decode_slots, num_tokens) if decode_slots else (None,) * 3
     first = state.slots[0] if state.slots else 0
     plan = DeltaPlan(
         slots=tensor(state.slots), fresh_slots=tensor(fresh) if fresh else None,
+        carried_slots=tensor(carried) if carried else None,
         fresh_recurrent=tensor(fresh_recurrent) if fresh_recurrent else None,
-        history_index=tensor(history), conv_out_index=tensor(conv_out), conv_state_index=tensor(conv_state),
+        conv_edge_rows=tensor(edge_rows), conv_state_index=tensor(conv_state), conv_head_index=tensor(head_index),
+        conv_head_valid=tensor(head_valid), conv_head_rows=tensor(head_rows),
         decode_tokens=tensor(decode_tokens) if decode_tokens else None,
         decode_slots=tensor(decode_slots) if decode_slots else None,
         decode_span=span, decode_span_rows=None if span_rows is None else tensor(span_rows),
@@ -166,7 +185,9 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     for p in prefills:  # fresh groups first, each class's sequences longest first
         classes.setdefault((not p[3], prefill_size_class(p[1], chunk_size)), []).append(p)
     for key in sorted(classes):
-        group = sorted(classes[key], key=lambda p: -p[1])
+        # longest first (the rounds' prefixes); equal lengths by slot, so a wave's slots make a run whatever the
+        # batch order (a second wave's slots come back in the order the first one's ended)
+        group = sorted(classes[key], key=lambda p: (-p[1], p[2]))
         longest = group[0][1]
         # a short prompt needs no chunk padded mostly with zeros: the smallest power of two that holds it
         size = min(chunk_size, 1 << (longest - 1).bit_length())
@@ -187,12 +208,20 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
                 pad = size - min(size, n - r * size)
                 gather.extend([0] * pad)  # any real row: only g and beta must be zero there (gated_delta_rule)
                 pads.extend([False] * (size - pad) + [True] * pad)
+        order = sorted(range(len(tokens)), key=tokens.__getitem__)  # from_chunks reads back in token order
+        slots = [slot for _, _, slot, _ in group]
         plan.groups.append(PrefillGroup(
-            slots=tensor([slot for _, _, slot, _ in group]), zero_start=not key[0], chunk_size=size, rounds=rounds,
-            chunk_gather=tensor(gather),
+            slots=tensor(slots), zero_start=not key[0], chunk_size=size, rounds=rounds, chunk_gather=tensor(gather),
             chunk_pads=torch.tensor(pads, device=device).view(-1, 1, size) if any(pads) else None,
-            tokens=tensor(tokens), positions=tensor(positions)))
+            tokens=tensor([tokens[i] for i in order]), positions=tensor([positions[i] for i in order]),
+            slot_run=slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None))
     return plan
+
+
+# Rows of the prefill conv taken through its taps at a time: 64 rows of Qwen3.5-0.8B's 6,144 channels are 1.5 MiB
+# in float32. A 4,096-token step's conv and SiLU took 60 ms a layer as whole-step passes, 38 ms in blocks of 64 rows
+# (one thread; two: 43 against 28 ms), 41 / 44 / 55 ms in blocks of 128 / 256 / 512.
+CONV_BLOCK_ROWS = 64
 
 
 def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, plan: DeltaPlan) -> torch.Tensor:
@@ -201,26 +230,39 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
     x: [T, C] new inputs; taps: [K, C] float32 (tap K - 1 multiplies the newest input; rows contiguous, since a
     strided column of the checkpoint's [C, K] made each multiply-add several times slower); conv_state:
     [num_slots, K - 1, C] (read at, then written to, the step's slots; fresh slots are zeroed beforehand; oldest
-    input first, each a contiguous row, as the history lays them out). -> [T, C] float32 (what the delta rule reads).
+    input first, each a contiguous row). -> [T, C] float32 (what the delta rule reads).
+    The shifted sums run over x's rows as they lie, so a sequence's first K - 1 windows (which reach into its
+    saved inputs, or the sequence before it) are redone from its edges (DeltaPlan): no copy of x with each
+    sequence's saved inputs laid in front, and no gather of the outputs back out of such a layout (a 4,096-token
+    step: 50 MB of bf16 rows and 100 MB of float32 ones a layer).
     A step of decodes only takes delta_decode.decode_conv instead (GatedDeltaNetLayer.decode).
     """
     num_seqs, keep = plan.slots.numel(), taps.shape[0] - 1
+    num_tokens, channels = x.shape
     run = plan.slot_run
     saved = conv_state[run:run + num_seqs] if run is not None else conv_state.index_select(0, plan.slots)
-    saved = saved.reshape(num_seqs * keep, -1).to(x.dtype)  # [S * (K-1), C]
-    history = torch.cat((saved, x))  # [S * (K-1) + T, C]
-    if num_seqs > 1:  # (one sequence's saved inputs already lie before its new ones: the index is the identity)
-        history = history.index_select(0, plan.history_index)
-    new_state = history.index_select(0, plan.conv_state_index).view(num_seqs, keep, -1)
-    conv_state.index_copy_(0, plan.slots, new_state.to(conv_state.dtype))
-    history = history.float()
-    rows = history.shape[0] - keep
-    out = history[:rows] * taps[0]
-    for k in range(1, keep + 1):  # K shifted multiply-adds: no conv1d layout changes, one pass per tap
-        out.addcmul_(history[k:k + rows], taps[k])
-    # one sequence: its outputs are the first T rows; else each sequence's rows, skipping the K - 1 between
-    out = out[:plan.num_tokens] if num_seqs == 1 else out.index_select(0, plan.conv_out_index)
-    return F.silu(out, inplace=True)
+    edges = torch.cat((saved.reshape(num_seqs * keep, channels).to(x.dtype), x.index_select(0, plan.conv_edge_rows)))
+    conv_state.index_copy_(0, plan.slots,
+                           edges.index_select(0, plan.conv_state_index).view(num_seqs, keep, -1).to(conv_state.dtype))
+    out = torch.empty((num_tokens, channels), dtype=torch.float32, device=x.device)
+    # K shifted multiply-adds (no conv1d layout changes) and the SiLU, CONV_BLOCK_ROWS rows at a time: a block's
+    # inputs and sums stay in cache through its K + 1 passes, where whole-step passes went to memory each time (off a
+    # CPU in one block: there each pass is a kernel launch, and the blocks would multiply them)
+    block_rows = CONV_BLOCK_ROWS if x.is_cpu else max(num_tokens, 1)
+    for first in range(keep, num_tokens, block_rows):
+        n = min(block_rows, num_tokens - first)
+        block = x[first - keep:first + n].float()  # [n + K - 1, C]
+        sums = torch.mul(block[:n], taps[0], out=out[first:first + n])
+        for k in range(1, keep + 1):
+            sums.addcmul_(block[k:k + n], taps[k])
+        F.silu(sums, inplace=True)
+    # each sequence's first K - 1 windows, over (its saved inputs, its first new rows)
+    heads = edges.index_select(0, plan.conv_head_index).view(num_seqs, 2 * keep, channels).float()
+    sums = torch.mul(heads[:, :keep], taps[0], out=heads.new_empty((num_seqs, keep, channels)))  # [S, K - 1, C]
+    for k in range(1, keep + 1):
+        sums.addcmul_(heads[:, k:k + keep], taps[k])
+    sums = F.silu(sums.view(-1, channels), inplace=True)
+    return out.index_copy_(0, plan.conv_head_rows, sums.index_select(0, plan.conv_head_valid))
 
 
 def exp_normal(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -241,27 +283,37 @@ def exp_normal(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tenso
 def l2_normalize(x: torch.Tensor, scale: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
     """x / sqrt(sum(x^2) + 1e-6) over the last dim, as flash-linear-attention (and transformers) compute it;
     times `scale` (broadcast against x's [..., 1] norms: a factor per head) when given. inplace: into x (the
-    same values), where nothing reads x's old values after."""
-    factor = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    same values), where nothing reads x's old values after. The sums of squares as vector_norm's squares (within
+    a few ulps): one pass over x, where x * x then a sum made an x-sized temporary (a 4,096-token step of
+    Qwen3.5-0.8B's q and k: 7 against 13 ms a layer)."""
+    factor = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_()
     factor = factor if scale is None else factor * scale
     return x.mul_(factor) if inplace else x * factor
 
 
 def fold_scales(recurrent: torch.Tensor, scale: torch.Tensor, plan: DeltaPlan) -> None:
     """Fold the step's slots' scales into their stored states, leaving scale 1: before the chunked rule and the
-    mixed step's recurrent_step, which read and write true states. One pass over those slots' states (a step that
-    carries prefill rows, beside whose products it is small)."""
+    mixed step's recurrent_step, which read and write true states. One pass over the carried slots' states (a step
+    that carries prefill rows, beside whose products it is small); a fresh slot's state is written whole by the rule
+    (a fresh prefill) or was just zeroed (a fresh decode row), so only its scale is reset (a wave of 32 fresh
+    prompts: 32 MiB a layer not read and written)."""
     num_seqs = plan.slots.numel()
-    if plan.slot_run is not None:
+    carried = plan.carried_slots
+    if plan.slot_run is not None and plan.fresh_slots is None:
         rows = slice(plan.slot_run, plan.slot_run + num_seqs)
         recurrent[rows].mul_(scale[rows])
         scale[rows].fill_(1.0)
         return
-    pool = recurrent.view(recurrent.shape[0], -1)  # (a 4-D index_select copied rows several times slower)
-    states = pool.index_select(0, plan.slots)
-    states.view(num_seqs, recurrent.shape[1], -1).mul_(scale.index_select(0, plan.slots).view(num_seqs, -1, 1))
-    pool.index_copy_(0, plan.slots, states)
-    scale.index_fill_(0, plan.slots, 1.0)
+    if carried is not None:
+        pool = recurrent.view(recurrent.shape[0], -1)  # (a 4-D index_select copied rows several times slower)
+        states = pool.index_select(0, carried)
+        states.view(carried.numel(), recurrent.shape[1], -1).mul_(
+            scale.index_select(0, carried).view(carried.numel(), -1, 1))
+        pool.index_copy_(0, carried, states)
+    if plan.slot_run is not None:
+        scale[plan.slot_run:plan.slot_run + num_seqs].fill_(1.0)
+    else:
+        scale.index_fill_(0, plan.slots, 1.0)
 
 
 # [pairs * 2, dk] int32 bag rows per (device, dk): state_reads' index, grown to the largest batch yet (its prefix
@@ -351,7 +403,8 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
     for i in range(1, size):
         row = inverse[..., i:i + 1, :i]  # [..., 1, i], still -L[i, :i]
         row += row @ inverse[..., :i, :i]
-    return inverse + torch.eye(size, dtype=lower.dtype, device=lower.device)
+    inverse.diagonal(0, -2, -1).fill_(1.0)  # (the row steps never touch the diagonal)
+    return inverse
 
 
 def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -369,26 +422,34 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     the outputs are  exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j,
     and the state after it is  exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T.  -> [N, H, C, dv].
     zero_start: every sequence starts from S0 = 0 (fresh prompts), so `states` is only written: the first round
-    skips the read of S0 (its largest product: [2C, dk] x [dk, dv] per chunk and head), the decay and the adds,
-    and writes its outputs and states straight from two products (the same values: x - 0 and 0 + x are x).
+    skips the read of S0 (its largest product: [2C, dk] x [dk, dv] per chunk and head) and what only that read
+    needs (its chunks' solved, decayed k and decayed q: a 128-token prompt's first of two chunks), the decay and
+    the adds, and writes its outputs and states straight from two products (the same values: x - 0 and 0 + x
+    are x).
     out: where the outputs go ([N, H, C, dv], contiguous), else a new tensor.
     """
     num_chunks, heads, size, dk = k.shape
     dv = v.shape[-1]
+    # the first round's chunks start from zeros under zero_start: their reads of S0 are never made
+    num_fresh = rounds[0][1] if zero_start and rounds else 0
     cum = g.cumsum(-1)  # [N, H, C]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     decay = exp_normal(cum.unsqueeze(-1) - cum.unsqueeze(-2), causal)  # [N, H, C, C], 0 above the diagonal
-    system = (k @ k.transpose(-1, -2)) * decay * beta.unsqueeze(-1)  # L below the diagonal (rest unread)
-    inverse = unit_lower_inverse(system)
+    system = torch.matmul(k, k.transpose(-1, -2)).mul_(decay).mul_(beta.unsqueeze(-1))  # L below the diagonal
+    # (I + L)^-1 diag(beta): beta scales the inverse's columns, a [C, C] pass where beta V and beta K were [C, d]
+    solve = unit_lower_inverse(system).mul_(beta.unsqueeze(-2))
     # U = written - k_decayed @ S0. Each solved on its own (the inverse is small) and both reads of the chunk's
     # starting state (k_decayed S0 for U, q_decayed S0 for the output) in one buffer, so the scan's single
     # product per round reads them without a concatenated copy, and `written` is contiguous as it comes.
-    written = inverse @ (v * beta.unsqueeze(-1))  # [N, H, C, dv]
-    reads = torch.empty((num_chunks, heads, 2 * size, dk), dtype=q.dtype, device=q.device)
+    written = torch.matmul(solve, v)  # [N, H, C, dv]
     cum_exp = exp_normal(cum)
-    torch.matmul(inverse, k * (beta * cum_exp).unsqueeze(-1), out=reads[:, :, :size])
-    torch.mul(q, cum_exp.unsqueeze(-1), out=reads[:, :, size:])
-    attn = (q @ k.transpose(-1, -2)) * decay  # [N, H, C, C]
+    reads = None  # [N - num_fresh, H, 2C, dk]: the chunks after the fresh ones
+    if num_fresh < num_chunks:
+        later = slice(num_fresh, None)
+        reads = torch.empty((num_chunks - num_fresh, heads, 2 * size, dk), dtype=q.dtype, device=q.device)
+        torch.matmul(solve[later] * cum_exp[later].unsqueeze(-2), k[later], out=reads[:, :, :size])
+        torch.mul(q[later], cum_exp[later].unsqueeze(-1), out=reads[:, :, size:])
+    attn = torch.matmul(q, k.transpose(-1, -2)).mul_(decay)  # [N, H, C, C]
     # [N * H, dk, C] as a transposed view: the products read it transposed in place, no copy
     k_to_end = (k * exp_normal(cum[..., -1:] - cum).unsqueeze(-1)).view(-1, size, dk).transpose(1, 2)
     chunk_decay = cum_exp[..., -1, None, None]  # [N, H, 1, 1]
@@ -396,13 +457,13 @@ def chunked_rule(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     for first, active in rounds:
         chunk = slice(first, first + active)
         s0 = states[:active]  # a contiguous prefix: updated in place below, no state-sized temporaries
-        if zero_start and first == 0:  # u is `written` itself
+        if first < num_fresh:  # u is `written` itself
             u = written[chunk].view(-1, size, dv)
             torch.bmm(attn[chunk].view(-1, size, size), u, out=out[chunk].view(-1, size, dv))
             torch.bmm(k_to_end[first * heads:(first + active) * heads], u, out=s0.view(-1, dk, dv))
             continue
-        read = reads[chunk] @ s0  # [active, H, 2C, dv]
-        u = (written[chunk] - read[:, :, :size]).view(-1, size, dv)
+        read = reads[first - num_fresh:first - num_fresh + active] @ s0  # [active, H, 2C, dv]
+        u = written[chunk].sub_(read[:, :, :size]).view(-1, size, dv)  # (written is read nowhere else)
         torch.baddbmm(read[:, :, size:].reshape(-1, size, dv), attn[chunk].view(-1, size, size), u,
                       out=out[chunk].view(-1, size, dv))
         s0.mul_(chunk_decay[chunk])
@@ -480,7 +541,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     v: [T, Hv, dv] float32; g (log decay), beta: [T, Hv] float32; recurrent: [num_slots, Hv, dk, dv] float32.
     -> [T, Hv, dv] float32. (A step of decodes only takes delta_decode.decode_rule_at instead:
     GatedDeltaNetLayer.decode; here its rows go the decode_span way like any step's decode rows.)"""
-    out = v.new_empty(v.shape)  # [T, H, dv]: each group's rows, then the decode rows, written below
+    # [T, H, dv]: each group's rows, then the decode rows, written below; a step of one group's rows only (a wave
+    # of new prompts) takes that group's read-back as it comes, in token order (PrefillGroup.tokens)
+    whole = len(plan.groups) == 1 and plan.groups[0].tokens.numel() == plan.num_tokens
+    out = None if whole else v.new_empty(v.shape)
     # gathers and scatters over [slots, state] rows: a 4-D index_select copied rows several times slower
     pool = recurrent.view(recurrent.shape[0], -1)
     for group in plan.groups:
@@ -488,7 +552,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         if group.chunk_pads is not None:
             gc.masked_fill_(group.chunk_pads, 0)
             bc.masked_fill_(group.chunk_pads, 0)
-        if group.zero_start:  # fresh sequences' states are written whole by the rule's first round
+        if group.slot_run is not None:  # the pool's own rows, no gather or scatter (32 MiB a layer each at 32 rows)
+            states = recurrent[group.slot_run:group.slot_run + group.slots.numel()]
+        elif group.zero_start:  # fresh sequences' states are written whole by the rule's first round
             states = recurrent.new_empty((group.slots.numel(), *recurrent.shape[1:]))
         else:
             states = pool.index_select(0, group.slots).view(-1, *recurrent.shape[1:])
@@ -499,8 +565,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             chunked_rule(states, to_chunks(q, group, chunks), to_chunks(k, group, chunks), to_chunks(v, group, chunks),
                          gc[chunks], bc[chunks], rounds, zero_start=group.zero_start and chunks.start == 0,
                          out=o[chunks])
-        pool.index_copy_(0, group.slots, states.view(states.shape[0], -1))
-        out.index_copy_(0, group.tokens, from_chunks(o, group))
+        if group.slot_run is None:
+            pool.index_copy_(0, group.slots, states.view(states.shape[0], -1))
+        if whole:
+            out = from_chunks(o, group)
+        else:
+            out.index_copy_(0, group.tokens, from_chunks(o, group))
     if plan.decode_span is not None:  # in place on the run of slots, rows laid out in slot order
         first, count = plan.decode_span
 
