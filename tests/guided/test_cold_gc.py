@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import pickle
+from array import array
 
 import pytest
 
-from rawserve.engine.guided.automaton import UNEXPANDED
+from rawserve.engine.guided.automaton import UNEXPANDED, Automaton
+from rawserve.engine.guided.json_schema import schema_to_grammar
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.nfa_rows import PackedRows
@@ -34,6 +36,12 @@ def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
     expanded = [row for row in a.next_byte if row is not UNEXPANDED]
     assert len(expanded) > 30 and len(expanded) < a.num_configs  # unexpanded ones share one row
     assert not any(gc.is_tracked(row) for row in a.next_byte)
+    # per NFA state (12k for nested20): bytes, where lists of bools were walked item by item
+    assert not gc.is_tracked(compiled.is_final) and not gc.is_tracked(a.consuming)
+    # a move of one thread is keyed by that thread: no 1-tuple around it is kept for the young collections to walk
+    keys = list(a._moved)
+    assert any(len(key) == 2 and isinstance(key[0], int) for key in keys)
+    assert not any(len(key) == 1 for key in keys)
     edge_rows = [compiled.eps, compiled.byte_edges, compiled.token_edges, compiled.call_edges]
     assert all(isinstance(rows, PackedRows) for rows in edge_rows)
     # the flat ints stay arrays, whose traversal visits no item, not 10k-item lists
@@ -68,3 +76,50 @@ def test_rows_read_before_are_read_at_c_level_even_when_empty(vocab, monkeypatch
     assert reads == []
     monkeypatch.undo()
     assert sum(map(len, edges.values())) > 100
+
+
+# a pattern (escaped into the string, json_strings.escape_content), nested objects and a long counted string (virtual
+# copies), so every builder a schema's compile runs is met
+CYCLE_SCHEMA = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "[a-z\\\\\"]{2,4}"},
+    "inner": {"type": "object", "properties": {"note": {"type": "string", "maxLength": 40}}, "required": ["note"]},
+    "tags": {"type": "array", "items": {"type": "integer"}}}, "required": ["code", "inner"]}
+
+
+def test_a_compile_leaves_nothing_only_the_collector_can_free():
+    """A schema's grammar, its NFA and the pickle to the core leave no reference cycle: everything they drop is freed
+    by its count. A recursive closure is a cycle through its own cell, and count_states' held the builder: nested20's
+    whole unpacked NFA (12k states' lists) outlived the compile until a collection found it, walked meanwhile by the
+    young and middle collections that followed."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage, to be read
+    try:
+        compiled = pickle.loads(pickle.dumps(compile_grammar(schema_to_grammar(CYCLE_SCHEMA), "cycles")))
+        assert Automaton(compiled).matches(b'{"code": "a\\\\b", "inner": {"note": "x"}}')
+        assert compiled.virtual  # the counted string's middle copies: the packed rows read them
+        del compiled
+        gc.collect()
+        ours = [o for o in gc.garbage if getattr(o, "__module__", None) and o.__module__.startswith("rawserve")]
+        assert ours == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_the_trie_arrays_a_narrow_walk_reads_are_compact(vocab):
+    """VocabIndex.py_arrays: bytes and int32 arrays (1-4 bytes an item), not lists of Python ints: a walk
+    reads a few scattered nodes per mask, and between masks the step's logits row evicts them; and they read as the
+    level tensors they come from."""
+    node_byte, first_child, num_children, node_token = vocab.py_arrays()
+    assert isinstance(node_byte, bytes)
+    assert all(isinstance(ints, array) and ints.itemsize == 4 for ints in (first_child, num_children, node_token))
+    # a collection that meets them visits no item (a list of 333k ints: every one)
+    assert all(len(gc.get_referents(ints)) <= 1 for ints in (node_byte, first_child, num_children, node_token))
+    assert list(node_byte) == vocab.flat_byte.tolist() and list(node_token) == vocab.flat_token.tolist()
+    assert len(first_child) == len(num_children) == len(node_byte) > 100
+    # every node but the root is the child of exactly one node
+    children = sorted(j for node in range(len(node_byte)) for j in range(first_child[node],
+                                                                         first_child[node] + num_children[node]))
+    assert children == list(range(1, len(node_byte)))

@@ -48,7 +48,9 @@ class Automaton:
         self.g = g
         n = g.num_states
         self.mark = n  # a state past the NFA's: any byte, forever
-        self.consuming = has_edges(g.byte_edges, g.token_edges) + [True]
+        # 1 per state with a byte or token edge (MARK too): bytes, not a list of bools, which the garbage collector
+        # walks item by item (12k for nested20) in the collections a new grammar's first masks run
+        self.consuming = bytes(has_edges(g.byte_edges, g.token_edges) + [True])
         # per state, worked out on first use: 1 where a thread's closure is itself (it consumes, and has no epsilon
         # move, call or rule end), 2 where not, 0 not known yet. Most threads a byte moves are so (a string
         # character's inner states, a key's letters): their closure is made without the work loop, which a cold
@@ -85,8 +87,10 @@ class Automaton:
         self._edge_runs: dict[int, tuple[tuple[int, int], ...]] = {}  # configuration -> edge_runs
         # the threads a byte moves (in edge order) -> the configuration of their closure, for every configuration's
         # steps (expand, step_some, run_steps): a third of a cold pass's closures were of threads another
-        # configuration's byte had moved already (a key's next letter, reached from two configurations)
-        self._moved: dict[tuple[tuple[int, int], ...], int] = {}
+        # configuration's byte had moved already (a key's next letter, reached from two configurations). One thread is
+        # its own key (a pair of ints, never equal to a tuple of pairs), not a 1-tuple: most moves are of one, and
+        # every key a cold pass keeps is one more object its young collections walk (a quarter of the tuples kept)
+        self._moved: dict[tuple[int, int] | tuple[tuple[int, int], ...], int] = {}
         self._mark_stack = self._push(self.mark, 0)
         self.start = self._intern(self._closure([(g.rule_start[g.start_rule], 0)]))
 
@@ -383,11 +387,12 @@ class Automaton:
         closed = self._moved
         alive: list[tuple[int, int]] = []
         for begin, end in zip(cuts, cuts[1:]):
-            moved = tuple([(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi])
+            moved = [(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi]
             if moved:
-                nxt = closed.get(moved)
+                key = moved[0] if len(moved) == 1 else tuple(moved)
+                nxt = closed.get(key)
                 if nxt is None:
-                    nxt = closed[moved] = self._intern(self._closure(list(moved)))
+                    nxt = closed[key] = self._intern(self._closure(moved))
                 if nxt != DEAD:
                     row[begin:end] = [nxt] * (end - begin)
                     if alive and alive[-1][1] == begin:
@@ -429,7 +434,7 @@ class Automaton:
                     moved.append((t, sid))
                 elif e_lo <= hi and lo <= e_hi:
                     return None
-            key = tuple(moved)
+            key = moved[0] if len(moved) == 1 else tuple(moved)
             nxt = closed.get(key)
             if nxt is None:
                 nxt = closed[key] = self._intern(self._closure(moved)) if moved else DEAD
@@ -508,10 +513,11 @@ class Automaton:
             if not covered >> byte & 1:  # no edge takes it: most of a narrow trie node's children for a key's letter
                 known[byte] = DEAD
                 continue
-            moved = tuple([(t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi])
-            nxt = closed.get(moved)
+            moved = [(t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi]
+            key = moved[0] if len(moved) == 1 else tuple(moved)
+            nxt = closed.get(key)
             if nxt is None:
-                nxt = closed[moved] = self._intern(self._closure(list(moved)))
+                nxt = closed[key] = self._intern(self._closure(moved))
             known[byte] = nxt
         return known
 

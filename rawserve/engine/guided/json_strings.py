@@ -76,42 +76,44 @@ def fit_length(content: Node, lo: int, hi: int | None, path: str) -> Node:
 
 def escape_content(node: Node, path: str) -> Node:
     """Pattern content as it is spelled inside a JSON string: `"`, `\\` and controls take json.dumps's escape."""
-    memo: dict[int, Node] = {}
+    return _escape(node, path, {})
 
-    def escaped_byte(b: int) -> Node:
-        return lit(_JSON_ESCAPES.get(b, f"\\u{b:04x}"))
 
-    def walk(n: Node) -> Node:
-        hit = memo.get(id(n))
-        if hit is not None:
-            return hit
-        if isinstance(n, Bytes):
-            out = seq(*(escaped_byte(b) if b < 0x20 or b in (0x22, 0x5C) else Bytes(bytes((b,)))
-                        for b in n.data)) if any(b < 0x20 or b in (0x22, 0x5C) for b in n.data) else n
-        elif isinstance(n, ByteSet):
-            special = [b for lo, hi in _SPECIAL for b in range(lo, hi + 1)
-                       if any(r_lo <= b <= r_hi for r_lo, r_hi in n.ranges)]
-            if not special:
-                out = n
-            else:
-                rest = [(lo, hi) for lo, hi in n.ranges]
-                for b in special:
-                    rest = [piece for lo, hi in rest
-                            for piece in (((lo, b - 1), (b + 1, hi)) if lo <= b <= hi else ((lo, hi),))
-                            if piece[0] <= piece[1]]
-                out = alt(*([byte_set(rest)] if rest else []), *(escaped_byte(b) for b in special))
-        elif isinstance(n, Seq):
-            out = seq(*(walk(item) for item in n.items))
-        elif isinstance(n, Alt):
-            out = alt(*(walk(item) for item in n.items))
-        elif isinstance(n, Repeat):
-            out = Repeat(walk(n.item), n.min, n.max)
+def _escaped_byte(b: int) -> Node:
+    return lit(_JSON_ESCAPES.get(b, f"\\u{b:04x}"))
+
+
+def _escape(n: Node, path: str, memo: dict[int, Node]) -> Node:
+    """escape_content of one node, memo by node id. A module function, not a recursive closure: that is a cycle
+    through its cell, left for the garbage collector to find with the nodes it held."""
+    hit = memo.get(id(n))
+    if hit is not None:
+        return hit
+    if isinstance(n, Bytes):
+        out = seq(*(_escaped_byte(b) if b < 0x20 or b in (0x22, 0x5C) else Bytes(bytes((b,)))
+                    for b in n.data)) if any(b < 0x20 or b in (0x22, 0x5C) for b in n.data) else n
+    elif isinstance(n, ByteSet):
+        special = [b for lo, hi in _SPECIAL for b in range(lo, hi + 1)
+                   if any(r_lo <= b <= r_hi for r_lo, r_hi in n.ranges)]
+        if not special:
+            out = n
         else:
-            raise GrammarError(f"the pattern at {path} compiled to a {type(n).__name__}, which a string cannot hold")
-        memo[id(n)] = out
-        return out
-
-    return walk(node)
+            rest = [(lo, hi) for lo, hi in n.ranges]
+            for b in special:
+                rest = [piece for lo, hi in rest
+                        for piece in (((lo, b - 1), (b + 1, hi)) if lo <= b <= hi else ((lo, hi),))
+                        if piece[0] <= piece[1]]
+            out = alt(*([byte_set(rest)] if rest else []), *(_escaped_byte(b) for b in special))
+    elif isinstance(n, Seq):
+        out = seq(*(_escape(item, path, memo) for item in n.items))
+    elif isinstance(n, Alt):
+        out = alt(*(_escape(item, path, memo) for item in n.items))
+    elif isinstance(n, Repeat):
+        out = Repeat(_escape(n.item, path, memo), n.min, n.max)
+    else:
+        raise GrammarError(f"the pattern at {path} compiled to a {type(n).__name__}, which a string cannot hold")
+    memo[id(n)] = out
+    return out
 
 
 def key_except(names: list[str]) -> Node:

@@ -86,7 +86,7 @@ class CompiledGrammar:
     byte_edges: list[list[tuple[int, int, int]]]
     token_edges: list[list[tuple[int, int]]]
     call_edges: list[list[tuple[int, int]]]
-    is_final: list[bool]
+    is_final: list[bool] | bytes  # bytes once unpickled
     rule_start: list[int]
     rule_final: list[int]
     start_rule: int
@@ -135,7 +135,9 @@ class CompiledGrammar:
         self.start_rule = state["start_rule"]
         self.repeats = state.get("repeats", [])
         self.virtual = state.get("virtual", [])
-        self.is_final = list(map(bool, state["is_final"]))
+        # the bytes as they came (0 or 1 per state): a list of 12k bools is a container the collections of the
+        # core's first masks walked item by item
+        self.is_final = state["is_final"]
         for name, width in _EDGE_LISTS:
             # the int arrays as they came, not lists: a list of 50k ints is a container every collection walks
             # while it is young and every full one after, for as long as the core keeps the grammar
@@ -253,47 +255,51 @@ class _Builder:
         memo: dict[int, int] = {}
         called: list[str] = [self.grammar.start]
         seen = {self.grammar.start}
-
-        def states(node: Node) -> int:
-            key = id(node)
-            hit = memo.get(key)
-            if hit is not None:
-                return hit
-            if isinstance(node, Bytes):
-                n = max(0, len(node.data) - 1)
-            elif isinstance(node, (ByteSet, Token)):
-                n = 0
-            elif isinstance(node, Seq):
-                n = len(node.items) - 1 + sum(states(item) for item in node.items)
-            elif isinstance(node, Alt):
-                n = sum(states(item) for item in node.items)
-            elif isinstance(node, Repeat):
-                inner = states(node.item)
-                n = node.min * (1 + inner)
-                if node.max is None:
-                    n += 2 + inner
-                elif node.max > node.min:
-                    n += (node.max - node.min) * (1 + inner)
-            elif isinstance(node, Ref):
-                if node.name not in self.grammar.rules:
-                    raise GrammarError(f"undefined rule {node.name!r}")
-                if self.is_called(node):
-                    if node.name not in seen:
-                        seen.add(node.name)
-                        called.append(node.name)
-                    n = 0
-                else:
-                    n = states(self.grammar.rules[node.name])
-            else:
-                raise TypeError(f"not a grammar node: {node!r}")
-            memo[key] = n
-            return n
-
         total = i = 0
         while i < len(called):  # each called rule: its start and final states, and its body once
-            total += 2 + states(self.grammar.rules[called[i]])
+            total += 2 + self._count(self.grammar.rules[called[i]], memo, called, seen)
             i += 1
         return total
+
+    def _count(self, node: Node, memo: dict[int, int], called: list[str], seen: set[str]) -> int:
+        """count_states' states of one node (called rules queued on `called`, counted once there). A method, not
+        a recursive closure: a closure that calls itself is a cycle through its cell, and this one held the
+        builder, so the whole unpacked NFA (12k states' lists for nested20) outlived the compile until a
+        collection found it, walked meanwhile by every young and middle collection of that process (a compile
+        worker; bench.guided's, where they were its first masks')."""
+        key = id(node)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+        if isinstance(node, Bytes):
+            n = max(0, len(node.data) - 1)
+        elif isinstance(node, (ByteSet, Token)):
+            n = 0
+        elif isinstance(node, Seq):
+            n = len(node.items) - 1 + sum(self._count(item, memo, called, seen) for item in node.items)
+        elif isinstance(node, Alt):
+            n = sum(self._count(item, memo, called, seen) for item in node.items)
+        elif isinstance(node, Repeat):
+            inner = self._count(node.item, memo, called, seen)
+            n = node.min * (1 + inner)
+            if node.max is None:
+                n += 2 + inner
+            elif node.max > node.min:
+                n += (node.max - node.min) * (1 + inner)
+        elif isinstance(node, Ref):
+            if node.name not in self.grammar.rules:
+                raise GrammarError(f"undefined rule {node.name!r}")
+            if self.is_called(node):
+                if node.name not in seen:
+                    seen.add(node.name)
+                    called.append(node.name)
+                n = 0
+            else:
+                n = self._count(self.grammar.rules[node.name], memo, called, seen)
+        else:
+            raise TypeError(f"not a grammar node: {node!r}")
+        memo[key] = n
+        return n
 
     def rule(self, name: str) -> int:
         """The index of a called rule, compiled once (its body is built after the caller's)."""
