@@ -50,6 +50,17 @@ def test_rms_normalize_leaves_a_float32_input_as_it_was():
     assert torch.equal(x, kept)
 
 
+def test_rms_normalize_in_place_writes_the_same_values_into_x():
+    """inplace (a tensor its caller reads nowhere after, as the gated norm's rule output): the values of the plain
+    call, in x's own memory."""
+    x = rows((3, 4, 128), torch.float32)
+    weight = 1 + 0.1 * torch.randn(128)
+    want = rms_normalize(x, EPS, weight)
+    got = rms_normalize(x, EPS, weight, inplace=True)
+    assert got.data_ptr() == x.data_ptr()
+    assert torch.equal(got, want)
+
+
 def test_offset_norm_rounds_once_after_the_float32_weight():
     """Qwen3.5's norm: (1 + w) applied in float32, then one rounding to bf16. Equal to the reference's bits here
     (its sum of squares may land a float32 rounding apart, which moves a bf16 rounding only at a tie); rounding

@@ -35,17 +35,20 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 _EPS: dict[float, torch.Tensor] = {}  # rms_normalize's eps as a float32 scalar tensor (CPU)
 
 
-def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
+                  inplace: bool = False) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim, times `weight` (float32, broadcast against x) when given, all
-    in float32 -> a new float32 tensor (x itself is never written).
+    in float32 -> a float32 tensor: a new one, or a float32 x itself when `inplace` (its caller reads x's old values
+    nowhere after).
 
     On a CPU, F.rms_norm's arithmetic in fewer dispatched ops: there it is a composite of 24 (a Python scalar in an
-    in-place op alone costs four: its tensor and a cast), where this is 6 with a weight on a float32 x and 9 on a
-    bf16 one, its upcast included. At one decode row an op costs more than its arithmetic, and a Qwen3.5-0.8B step
-    runs 55 of these norms (one bf16 row, one thread, inference mode: 10 against 14 us, bests). The sum of squares
-    comes as the L2 norm (one reduction) squared in the addcmul that adds eps: a rounding or two away from
-    mean(x^2), as another reduction order is. On a GPU F.rms_norm is one fused kernel, and stays."""
-    x32 = x.float()
+    in-place op alone costs four), where this is 6 with a weight on a float32 x and 9 on a bf16 one, its upcast
+    included. At one decode row an op costs more than its arithmetic, and a Qwen3.5-0.8B step runs 55 of these
+    norms (one bf16 row, one thread, inference mode: 10 against 14 us, bests), and 18 gated ones
+    (qwen35.GatedDeltaNetLayer.decode). The sum of squares comes as the L2 norm (one reduction) squared in the
+    addcmul that adds eps: a rounding or two away from mean(x^2), as another reduction order is. On a GPU
+    F.rms_norm is one fused kernel, and stays."""
+    x32 = x if x.dtype == torch.float32 else x.float()  # (float() on a float32 x returns it, through a call)
     if x32.device.type != "cpu":
         if weight is None or weight.dim() == 1:
             return F.rms_norm(x32, x32.shape[-1:], weight, eps)
@@ -55,8 +58,9 @@ def rms_normalize(x: torch.Tensor, eps: float, weight: torch.Tensor | None = Non
         eps_t = _EPS[eps] = torch.tensor(eps, dtype=torch.float32)
     norm = torch.linalg.vector_norm(x32, dim=-1, keepdim=True)  # [..., 1]
     inv_rms = torch.addcmul(eps_t, norm, norm, value=1.0 / x32.shape[-1]).rsqrt_()
-    # x's upcast is this call's own tensor, scaled in place; a float32 x is the caller's and is not
-    normed = x32.mul_(inv_rms) if x32 is not x else x32 * inv_rms
+    # x's upcast is this call's own tensor, scaled in place; a float32 x is the caller's, and is scaled in place
+    # only when it says so
+    normed = x32.mul_(inv_rms) if x32 is not x or inplace else x32 * inv_rms
     return normed if weight is None else normed.mul_(weight)
 
 

@@ -32,13 +32,18 @@ def decode_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
     return F.silu(window.float().mul_(taps).sum(1), inplace=True)
 
 
-def scaled_l2_normalize_(x: torch.Tensor, eps: torch.Tensor, inv_scale_sq: torch.Tensor) -> torch.Tensor:
-    """l2_normalize times a factor per head, in place, in five calls: x [..., d] times
+def scaled_l2_normalize(x: torch.Tensor, eps: torch.Tensor, inv_scale_sq: torch.Tensor) -> torch.Tensor:
+    """l2_normalize times a factor per head: x [B, 2, H, d] (q's heads, then k's; any strides) times
     rsqrt(sum(x^2) inv_scale_sq + eps) = scale rsqrt(sum(x^2) + 1e-6) with eps = 1e-6 inv_scale_sq; eps and
-    inv_scale_sq broadcast against x's leading dims (scale: 1 on k's heads, dk^-0.5 on q's, where inv_scale_sq =
-    dk is a power of two and the product is exact)."""
-    sums = torch.linalg.vecdot(x, x)  # [..., H]
-    return x.mul_(torch.addcmul(eps, sums, inv_scale_sq).rsqrt_().unsqueeze(-1))
+    inv_scale_sq [2, H] (scale: 1 on k's heads, dk^-0.5 on q's, where inv_scale_sq = dk is a power of two and the
+    product is exact). -> a new contiguous [B, H, 2, d]: each head's q and k side by side, the layout the rule's
+    state reads take their weights in (gated_delta.state_reads reads them in place; x scaled in place, a column
+    slice of the conv's rows, was copied into it there, one more pass)."""
+    batch, _, heads, d = x.shape
+    sums = torch.linalg.vecdot(x, x)  # [B, 2, H]
+    out = x.new_empty((batch, heads, 2, d))
+    torch.mul(x, torch.addcmul(eps, sums, inv_scale_sq).rsqrt_().unsqueeze(-1), out=out.transpose(1, 2))
+    return out
 
 
 # The stored recurrent state is the true one divided by its slot's scale per head (gated_delta's module docstring),
@@ -50,8 +55,9 @@ def scaled_l2_normalize_(x: torch.Tensor, eps: torch.Tensor, inv_scale_sq: torch
 # token), 22% on the peers' (transformers' init), which leaves the scaled form 1-4.5% of the 32-row step (one
 # thread, steady state; the box's noise is of that size), where dropping the decay pass alone would be ~5%.
 FOLD_BELOW = 2.0 ** -64
-# Fewer rows than this fold every step (the plain two-pass form, scale 1): the scaled form's calls (the fold check
-# and its host sync, the division) cost more than one pass over a few rows' states saves.
+_FOLD_BOUND = torch.tensor(FOLD_BELOW)  # (as a tensor: a Python float operand is wrapped into one each call)
+# Fewer rows than this fold every step (the plain two-pass form, scale 1): the scaled form's calls (the fold check,
+# the division) cost more than one pass over a few rows' states saves.
 SCALED_MIN_ROWS = 8
 
 
@@ -61,31 +67,39 @@ def decode_rule(qk: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: to
     the pool's rows of the step's slots as a view) and their `scale` [B, H, 1, 1] (the true state is
     scale * states).
 
-    qk: [B, H, 2, dk] (q normalised and scaled, then k; any strides); v: [B, H, 1, dv]; decay (exp g), beta:
-    [B, H, 1, 1]. -> [B, H, 1, dv]. The same algebra as recurrent_step with S = c T (T stored, c the scale): one
-    pass reads q T and k T (state_reads); with c' = c d the new state is c' (T + k delta^T / c'), so the decay
-    goes into the scale and the rank-1 write is the stored state's only other pass (read and written once, where
-    the plain form's decay made a second). Every operand keeps the state's four dims, so no call goes to reshaping
-    one (at one row each call costs more than its arithmetic)."""
+    qk: [B, H, 2, dk] (each head's q, normalised and scaled, then its k; contiguous, or its state reads copy it);
+    v: [B, H, 1, dv]; decay (exp g), beta: [B, H, 1, 1]. -> [B, H, 1, dv]. The same algebra as recurrent_step
+    with S = c T (T stored, c the scale): one pass reads q T and k T (state_reads); with c' = c d the new state is
+    c' (T + k delta^T / c'), so the decay goes into the scale and the rank-1 write is the stored state's only other
+    pass (read and written once, where the plain form's decay made a second). Every operand keeps the state's four
+    dims, so no call goes to reshaping one (at one row each call costs more than its arithmetic)."""
+    num_seqs = v.shape[0]
     q_read, k_read = state_reads(qk, states).split(1, 2)  # [B, H, 1, dv] each, of the stored state
     scale_new = scale * decay  # c': the true state's factor once this token's decay is applied
     delta = torch.addcmul(v, scale_new, k_read, value=-1).mul_(beta)  # [B, H, 1, dv]
     q, k = qk.split(1, 2)  # [B, H, 1, dk] each
     k_col = k.transpose(-1, -2)  # [B, H, dk, 1]
-    out = torch.addcmul(q_read.mul_(scale_new), torch.matmul(q, k_col), delta)  # q.k: [B, H, 1, 1]
-    if v.shape[0] < SCALED_MIN_ROWS or not states.is_cpu:  # every row folded: the plain decay pass, scale 1
-        # (off a CPU so too: a fold check is a host sync there)
+    # q.k [B, H, 1, 1] as a product and a sum: matmul made it one 1 x dk by dk x 1 gemm per (sequence, head), 3.5x
+    # the time at 32 rows
+    out = torch.addcmul(q_read.mul_(scale_new), (q * k).sum(-1, keepdim=True), delta)
+    if num_seqs < SCALED_MIN_ROWS or not states.is_cpu:  # every row folded: the plain decay pass, scale 1
+        # (off a CPU so too: there the fold check would wait for the device)
         states.mul_(scale_new)
         states.addcmul_(k_col, delta)
         scale.fill_(1.0)
         return out
-    heads = (scale_new < FOLD_BELOW).any(0).view(-1).nonzero().view(-1).tolist()
-    for h in heads:  # a head's rows in one strided pass each (a gather of the rows that fold, then a scatter, cost
-        # more), every row of it folded: the pass is paid, and the head's rows then fall in step, so the next fold
-        # comes with its fastest row's (folding only the rows below the bound left 44% of the heads folding a step
-        # at 32 rows, where 12% of the rows needed it)
-        states[:, h].mul_(scale_new[:, h])
-        scale_new[:, h] = 1.0
+    # Which heads fold, as a list of bools: four calls, where the mask's nonzero indices took six (a CPU runs ops
+    # eagerly, so the list waits on nothing). (Not each head's minimum over the rows: a broken row's NaN scale
+    # would hide the other rows' from it.)
+    folds = torch.lt(scale_new, _FOLD_BOUND).view(num_seqs, -1).any(0).tolist()
+    for h, fold in enumerate(folds):
+        if fold:  # a head's rows in one strided pass each (a gather of the rows that fold, then a scatter, cost
+            # more), every row of it folded: the pass is paid, and the head's rows then fall in step, so the next
+            # fold comes with its fastest row's (folding only the rows below the bound left 44% of the heads folding
+            # a step at 32 rows, where 12% of the rows needed it)
+            head_scale = scale_new.select(1, h)  # [B, 1, 1]
+            states.select(1, h).mul_(head_scale)
+            head_scale.fill_(1.0)
     states.addcmul_(k_col, delta.div_(scale_new))
     scale.copy_(scale_new)
     return out

@@ -87,12 +87,13 @@ class DeltaPlan:
     fresh_slots: torch.Tensor | None  # int64 slots whose conv state starts from zeros this step
     carried_slots: torch.Tensor | None  # int64 slots whose states carry into this step (the rest are fresh)
     fresh_recurrent: torch.Tensor | None  # int64 slots whose recurrent state must be zeroed before the rule reads it
-    # the conv's edges are cat(saved inputs [num_seqs * (kernel - 1)], new rows at conv_edge_rows)
-    conv_edge_rows: torch.Tensor  # token rows: each sequence's first, then (if more) last kernel - 1
-    conv_state_index: torch.Tensor  # [num_seqs * (kernel - 1)] edge rows that become each sequence's state
-    conv_head_index: torch.Tensor  # [num_seqs * 2 (kernel - 1)] edge rows: saved inputs, first new rows (padded)
-    conv_head_valid: torch.Tensor  # rows of the heads' [num_seqs * (kernel - 1)] outputs that are tokens' ...
-    conv_head_rows: torch.Tensor  # ... and those tokens' rows
+    # the conv's edges are cat(saved inputs [num_seqs * (kernel - 1)], new rows at conv_edge_rows); causal_conv's
+    # rows, None on a step of decodes only (which takes delta_decode.decode_conv)
+    conv_edge_rows: torch.Tensor | None  # token rows: each sequence's first, then (if more) last kernel - 1
+    conv_state_index: torch.Tensor | None  # [num_seqs * (kernel - 1)] edge rows that become each sequence's state
+    conv_head_index: torch.Tensor | None  # [num_seqs * 2 (kernel - 1)] edge rows: saved inputs, first new rows (padded)
+    conv_head_valid: torch.Tensor | None  # rows of the heads' [num_seqs * (kernel - 1)] outputs that are tokens' ...
+    conv_head_rows: torch.Tensor | None  # ... and those tokens' rows
     decode_tokens: torch.Tensor | None  # [num_decodes] token rows of the one-token sequences
     decode_slots: torch.Tensor | None  # [num_decodes] their slots
     decode_span: tuple[int, int] | None  # (first slot, count): the decodes' slots lie in this run of the pool
@@ -119,10 +120,38 @@ def decode_span(tokens: list[int], slots: list[int], num_tokens: int
     return (lo, count), rows, [slot - lo for slot in slots]
 
 
+def plan_decodes(state: StateBatch, device: torch.device) -> DeltaPlan:
+    """plan_delta_step for a step of decodes only (one new token per sequence): what GatedDeltaNetLayer.decode
+    reads, the decode rows' fields (gated_delta_rule takes any plan), and no conv history (decode_conv reads the
+    saved inputs where they lie). Where the slots run in batch order the layer reads the pool's rows as a view, and
+    the span's rows and places are not built."""
+    slots = state.slots
+    num_seqs = len(slots)
+    first = slots[0]
+    slot_run = first if slots == list(range(first, first + num_seqs)) else None
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    fresh = [slot for slot, is_fresh in zip(slots, state.fresh) if is_fresh]
+    fresh_t = torch.tensor(fresh, dtype=torch.int64, device=device) if fresh else None
+    carried = [slot for slot, is_fresh in zip(slots, state.fresh) if not is_fresh]
+    carried_t = slots_t if not fresh else torch.tensor(carried, dtype=torch.int64, device=device) if carried else None
+    span, span_rows, place = (None, None, None) if slot_run is not None else \
+        decode_span(list(range(num_seqs)), slots, num_seqs)
+    return DeltaPlan(
+        slots=slots_t, fresh_slots=fresh_t, fresh_recurrent=fresh_t,  # (every row a decode: the same slots)
+        carried_slots=carried_t,
+        conv_edge_rows=None, conv_state_index=None, conv_head_index=None, conv_head_valid=None, conv_head_rows=None,
+        decode_tokens=torch.arange(num_seqs, device=device), decode_slots=slots_t, decode_span=span,
+        decode_span_rows=None if span_rows is None else torch.tensor(span_rows, dtype=torch.int64, device=device),
+        decode_place=None if place is None else torch.tensor(place, dtype=torch.int64, device=device),
+        groups=[], num_tokens=num_seqs, all_decode=True, slot_run=slot_run)
+
+
 def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, device: torch.device,
                     chunk_size: int = CHUNK_SIZE) -> DeltaPlan:
     """Host-side index building for one step (plain ints, then one tensor each)."""
     num_seqs = len(state.slots)
+    if num_seqs and query_start_loc == list(range(num_seqs + 1)):
+        return plan_decodes(state, device)
     num_tokens = query_start_loc[-1]
     keep = kernel - 1
     edge_rows: list[int] = []  # the conv's edges: cat(saved [num_seqs * keep], x[edge_rows])
@@ -237,6 +266,7 @@ def causal_conv(x: torch.Tensor, taps: torch.Tensor, conv_state: torch.Tensor, p
     step: 50 MB of bf16 rows and 100 MB of float32 ones a layer).
     A step of decodes only takes delta_decode.decode_conv instead (GatedDeltaNetLayer.decode).
     """
+    assert plan.conv_edge_rows is not None, "a step of decodes only takes delta_decode.decode_conv"
     num_seqs, keep = plan.slots.numel(), taps.shape[0] - 1
     num_tokens, channels = x.shape
     run = plan.slot_run
@@ -316,40 +346,51 @@ def fold_scales(recurrent: torch.Tensor, scale: torch.Tensor, plan: DeltaPlan) -
         scale.index_fill_(0, plan.slots, 1.0)
 
 
-# [pairs * 2, dk] int32 bag rows per (device, dk): state_reads' index, grown to the largest batch yet (its prefix
-# serves any smaller one)
-_bag_rows: dict[tuple[torch.device, int], torch.Tensor] = {}
+# Per (device, dk): state_reads' index for the largest batch yet, (rows, offsets), and the cuts of it each number of
+# (sequence, head) pairs has used (a prefix serves any smaller batch: the bags run pair by pair)
+_bag_rows: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor,
+                                                dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
 
-def bag_rows(num_pairs: int, dk: int, device: torch.device) -> torch.Tensor:
-    """[num_pairs * 2, dk] int32: row i of pair p's state, at [2 p, i] (q's bag) and [2 p + 1, i] (k's), as rows
-    of the states viewed [num_pairs * dk, dv]."""
+def bag_rows(num_pairs: int, dk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """state_reads' embedding_bag index: int32 rows [num_pairs * 2 * dk], row i of pair p's state at
+    [(2 p) dk + i] (q's bag) and [(2 p + 1) dk + i] (k's), as rows of the states viewed [num_pairs * dk, dv]; and
+    int32 offsets [num_pairs * 2], a bag every dk. One flat index with its offsets: a 2-D index made
+    embedding_bag build the offsets and flatten the index and the weights, three calls a layer."""
     key = (device, dk)
-    rows = _bag_rows.get(key)
-    if rows is None or rows.shape[0] < 2 * num_pairs:
-        pairs = torch.arange(max(num_pairs, 0 if rows is None else rows.shape[0]), dtype=torch.int32,
-                             device=device)
+    rows, offsets, cuts = _bag_rows.get(key) or (None, None, {})
+    cut = cuts.get(num_pairs)
+    if cut is not None:
+        return cut
+    if rows is None or rows.numel() < num_pairs * 2 * dk:
+        pairs = torch.arange(num_pairs, dtype=torch.int32, device=device)
         within = torch.arange(dk, dtype=torch.int32, device=device)
-        rows = (pairs.view(-1, 1, 1) * dk + within).expand(-1, 2, dk).reshape(-1, dk)
-        _bag_rows[key] = rows
-    return rows[:2 * num_pairs]
+        rows = (pairs.view(-1, 1, 1) * dk + within).expand(-1, 2, dk).reshape(-1)
+        offsets = torch.arange(0, rows.numel(), dk, dtype=torch.int32, device=device)
+        cuts = {}  # (the cuts of the index replaced go with it)
+    cut = cuts[num_pairs] = rows[:num_pairs * 2 * dk], offsets[:num_pairs * 2]
+    _bag_rows[key] = rows, offsets, cuts
+    return cut
 
 
 def state_reads(qk: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """q S and k S for each (sequence, head): qk [B, H, 2, dk] (any strides) against states [B, H, dk, dv]
-    (contiguous) -> [B, H, 2, dv] (matmul's values, summed in another order).
+    """q S and k S for each (sequence, head): qk [B, H, 2, dk] against states [B, H, dk, dv] (contiguous) ->
+    [B, H, 2, dv] (matmul's values, summed in another order).
 
     On a CPU as one embedding_bag: each output row is a bag of the state's dk rows weighted by q's (or k's)
     entries, a streaming weighted sum. A batched product makes one small gemm per (sequence, head), [2, dk] x
     [dk, dv], which costs ~10 us even from cache (the packing of a [dk, dv] operand for two rows): 5.3 ms a layer
-    at 32 rows on Qwen3.5-0.8B (one thread), the bag 2.5 ms, a plain read of the states 1.1 ms. Elsewhere the
-    batched product (a GPU's batched gemm has no such per-matrix cost)."""
+    at 32 rows on Qwen3.5-0.8B (one thread), the bag 2.5 ms, a plain read of the states 1.1 ms. The bags go pair
+    by pair, q's then k's, so k's reads a state just read (a sequence's heads' states, 1 MB on the 0.8B, outgrow a
+    core's L2 cache: all q bags first ran 3-20% slower at 32 rows, one noisy run). qk's values are the bags'
+    weights, read in place when qk is contiguous (the decode step makes it so: delta_decode.scaled_l2_normalize),
+    else copied. Elsewhere the batched product (a GPU's batched gemm has no such per-matrix cost)."""
     if not states.is_cpu:
         return torch.matmul(qk, states)
     batch, heads, _, dk = qk.shape
     dv = states.shape[-1]
-    rows = bag_rows(batch * heads, dk, states.device)
-    reads = F.embedding_bag(rows, states.view(-1, dv), mode="sum", per_sample_weights=qk.reshape(-1, dk))
+    rows, offsets = bag_rows(batch * heads, dk, states.device)
+    reads = F.embedding_bag(rows, states.view(-1, dv), offsets, mode="sum", per_sample_weights=qk.reshape(-1))
     return reads.view(batch, heads, 2, dv)
 
 

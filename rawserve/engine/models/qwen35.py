@@ -14,7 +14,7 @@ from rawserve.engine.attention.metadata import AttentionMetadata
 from rawserve.engine.loader import ModelConfig, Target, read_model_config
 from rawserve.engine.lora import LoraBatch
 from rawserve.engine.models.decoder import DecoderModel, LinearOwner, _param, rms_normalize
-from rawserve.engine.models.delta_decode import decode_conv, decode_rule_at, scaled_l2_normalize_
+from rawserve.engine.models.delta_decode import decode_conv, decode_rule_at, scaled_l2_normalize
 from rawserve.engine.models.gated_delta import CHUNK_SIZE, DeltaPlan, StateBatch, causal_conv, fold_scales, \
     gated_delta_rule, l2_normalize, plan_delta_step
 from rawserve.engine.models.mrope import interleaved_streams, rope_tables
@@ -98,7 +98,7 @@ class GatedDeltaNetLayer(Qwen35Layer):
         self.gated_norm_f32: torch.Tensor | None = None  # [dv] float32
         self.qk_scale: torch.Tensor | None = None  # [2 Hk, 1] float32: dk^-0.5 on q's heads, 1 on k's
         # the decode step's forms of the same (fuse_qk_norm): -exp(A_log) and dt_bias [Hv, 1, 1];
-        # scaled_l2_normalize_'s eps and 1 / scale^2 per q and k head [2, Hk]
+        # scaled_l2_normalize's eps and 1 / scale^2 per q and k head [2, Hk]
         self.neg_decay_rate_col: torch.Tensor | None = None
         self.dt_bias_col: torch.Tensor | None = None
         self.qk_eps: torch.Tensor | None = None
@@ -166,8 +166,8 @@ class GatedDeltaNetLayer(Qwen35Layer):
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
         o = gated_delta_rule(q, k, v, g, beta, recurrent, plan)  # [T, Hv, dv] float32
         del mixed, qk, q, k, v
-        # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head
-        o = F.rms_norm(o, o.shape[-1:], self.gated_norm_f32, self.cfg.rms_norm_eps)
+        # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head; in place on the rule's output
+        o = rms_normalize(o, self.cfg.rms_norm_eps, self.gated_norm_f32, inplace=True)
         o = o.mul_(gate.view(num_tokens, self.num_v_heads, self.head_v_dim)).to(x.dtype)
         del gate
         return self.mlp_block(x, self.linear(o.view(num_tokens, self.value_dim), "out_proj", lora=lora), lora)
@@ -189,13 +189,17 @@ class GatedDeltaNetLayer(Qwen35Layer):
         b, a = ba.view(num_seqs, 2, heads, 1, 1).unbind(1)  # [B, Hv, 1, 1] each
         decay = (self.neg_decay_rate_col * F.softplus(a + self.dt_bias_col)).exp_()
         qk, v = mixed.split((2 * key_dim, self.value_dim), 1)
-        qk = scaled_l2_normalize_(qk.view(num_seqs, 2, self.num_k_heads, dk), self.qk_eps, self.qk_inv_scale_sq)
+        # [B, Hk, 2, dk], a new contiguous tensor: each head's q and k side by side, as the rule reads them
+        qk = scaled_l2_normalize(qk.view(num_seqs, 2, self.num_k_heads, dk), self.qk_eps, self.qk_inv_scale_sq)
         if heads > self.num_k_heads:  # each key head serves `group` consecutive value heads
-            qk = qk.repeat_interleave(heads // self.num_k_heads, dim=2)
-        o = decode_rule_at(qk.transpose(1, 2), v.view(num_seqs, heads, 1, dv), decay, b.sigmoid(), recurrent, scale,
-                           plan)  # [B, Hv, 1, dv] float32
-        # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head
-        o = F.rms_norm(o, (dv,), self.gated_norm_f32, self.cfg.rms_norm_eps).mul_(gate.view(num_seqs, heads, 1, dv))
+            qk = qk.repeat_interleave(heads // self.num_k_heads, dim=1)
+        o = decode_rule_at(qk, v.view(num_seqs, heads, 1, dv), decay, b.sigmoid(), recurrent, scale,
+                           plan)  # [B, Hv, 1, dv] float32, the rule's own tensor
+        # gated RMSNorm: plain weight (not 1 + w), then times silu(z), per value head; in place on o (F.rms_norm is
+        # a CPU composite of two dozen dispatched ops: with the gate 12.5 against 9.3 us at one row, 50 against 32
+        # at 32 rows)
+        o = rms_normalize(o, self.cfg.rms_norm_eps, self.gated_norm_f32, inplace=True) \
+            .mul_(gate.view(num_seqs, heads, 1, dv))
         return self.mlp_block(x, self.linear(o.to(x.dtype).view(num_seqs, self.value_dim), "out_proj", lora=lora),
                               lora)
 
