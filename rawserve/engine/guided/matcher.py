@@ -279,11 +279,11 @@ class GrammarRuntime:
             if lexeme is not None:
                 self.num_walks["lexeme"] += 1
                 return IN_STRING_LEXEME, lexeme[1], lexeme[2], lexeme[0]
-        if a.next_byte[cid][0] < 0 and covered.bit_count() <= DENSE_WALK_FIRST_BYTES:
-            num_live_first = 0
-        else:
-            num_live_first = 256 - a.expand(cid).count(DEAD)
-        if num_live_first > DENSE_WALK_FIRST_BYTES:
+        # wide: more first bytes live than a Python walk takes on (an unbuilt row whose edges cover no more than
+        # that is narrow as it stands: its live bytes are among them)
+        wide = (a.next_byte[cid][0] >= 0 or covered.bit_count() > DENSE_WALK_FIRST_BYTES) and \
+            256 - a.expand(cid).count(DEAD) > DENSE_WALK_FIRST_BYTES
+        if wide:
             plain = self._plain.walk(cid)
             if plain is not None:
                 self.num_walks["plain"] += 1
@@ -294,7 +294,7 @@ class GrammarRuntime:
                 self.num_walks["python"] += 1
                 return -1, walked[0], walked[1], None  # a list: most are a few ids, made into a mask in Python
         self.num_walks["tensor"] += 1
-        walk = self._walk_dense if num_live_first > DENSE_WALK_FIRST_BYTES else self._walk_sparse
+        walk = self._walk_dense if wide else self._walk_sparse
         certain, uncertain = walk(cid)
         return -1, certain, uncertain.tolist(), None
 

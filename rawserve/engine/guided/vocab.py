@@ -277,7 +277,7 @@ class PlainSplit:
 def _raw_bytes(values: torch.Tensor) -> bytes:
     """A CPU tensor's values as their bytes, copied in one go (numpy is not a dependency, and bytes() of its
     storage reads item by item: 4 s for 333k ints)."""
-    values = values.contiguous()
+    values = values.contiguous().cpu()  # (a device pointer would be read as a host one)
     return ctypes.string_at(values.data_ptr(), values.numel() * values.element_size())
 
 

@@ -120,6 +120,15 @@ def decode_span(tokens: list[int], slots: list[int], num_tokens: int
     return (lo, count), rows, [slot - lo for slot in slots]
 
 
+def run_start(slots: list[int]) -> int | None:
+    """The first of `slots` when they are consecutive (first, first + 1, ...): a run of the pool that a layer reads
+    and writes as a view. None otherwise, or for no slots."""
+    if not slots:
+        return None
+    first = slots[0]
+    return first if slots == list(range(first, first + len(slots))) else None
+
+
 def plan_decodes(state: StateBatch, device: torch.device) -> DeltaPlan:
     """plan_delta_step for a step of decodes only (one new token per sequence): what GatedDeltaNetLayer.decode
     reads, the decode rows' fields (gated_delta_rule takes any plan), and no conv history (decode_conv reads the
@@ -127,8 +136,7 @@ def plan_decodes(state: StateBatch, device: torch.device) -> DeltaPlan:
     the span's rows and places are not built."""
     slots = state.slots
     num_seqs = len(slots)
-    first = slots[0]
-    slot_run = first if slots == list(range(first, first + num_seqs)) else None
+    slot_run = run_start(slots)
     slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
     fresh = [slot for slot, is_fresh in zip(slots, state.fresh) if is_fresh]
     fresh_t = torch.tensor(fresh, dtype=torch.int64, device=device) if fresh else None
@@ -195,7 +203,6 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
     fresh = [slot for slot, is_fresh in zip(state.slots, state.fresh) if is_fresh]
     carried = [slot for slot, is_fresh in zip(state.slots, state.fresh) if not is_fresh]
     span, span_rows, place = decode_span(decode_tokens, decode_slots, num_tokens) if decode_slots else (None,) * 3
-    first = state.slots[0] if state.slots else 0
     plan = DeltaPlan(
         slots=tensor(state.slots), fresh_slots=tensor(fresh) if fresh else None,
         carried_slots=tensor(carried) if carried else None,
@@ -207,7 +214,7 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
         decode_span=span, decode_span_rows=None if span_rows is None else tensor(span_rows),
         decode_place=None if place is None else tensor(place),
         groups=[], num_tokens=num_tokens, all_decode=len(decode_tokens) == num_seqs > 0,
-        slot_run=first if state.slots == list(range(first, first + num_seqs)) else None)
+        slot_run=run_start(state.slots))
     if not prefills:
         return plan
     classes: dict[tuple[bool, int], list[tuple[int, int, int, bool]]] = {}
@@ -243,7 +250,7 @@ def plan_delta_step(state: StateBatch, query_start_loc: list[int], kernel: int, 
             slots=tensor(slots), zero_start=not key[0], chunk_size=size, rounds=rounds, chunk_gather=tensor(gather),
             chunk_pads=torch.tensor(pads, device=device).view(-1, 1, size) if any(pads) else None,
             tokens=tensor([tokens[i] for i in order]), positions=tensor([positions[i] for i in order]),
-            slot_run=slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None))
+            slot_run=run_start(slots)))
     return plan
 
 
