@@ -38,13 +38,46 @@ def small_vocab(seed: int = 0) -> tuple[list[bytes], set[int]]:
     return tokens, specials
 
 
+# the closure as the automaton defines it, held apart from Automaton._closure, which tests count calls of
+_CLOSURE = Automaton._closure
+
+
+def reference_step(a: Automaton, threads: frozenset[tuple[int, int]], byte: int) -> frozenset[tuple[int, int]]:
+    """The threads after `byte`, read off the NFA's edges and closed: no configuration interned, no row or step the
+    automaton kept is read, so the masks and walks under test (and step_bytes) cannot bend the reference."""
+    moved = []
+    for s, sid in threads:
+        if s == a.mark:  # a MARK frame's state takes any byte, forever
+            moved.append((s, sid))
+        else:
+            moved += [(t, sid) for lo, hi, t in a.g.byte_edges[s] if lo <= byte <= hi]
+    return _CLOSURE(a, moved) if moved else frozenset()
+
+
 def brute_mask(automaton: Automaton, vocab: VocabIndex, cid: int) -> torch.Tensor:
+    """Every token whose bytes reference_step leads through alive, and the special tokens some thread takes."""
     ref = torch.zeros(vocab.vocab_size, dtype=torch.bool)
+    start = automaton.configs[cid]
+    stepped: dict[tuple[frozenset, int], frozenset] = {}  # tokens share their prefixes
     for t, data in enumerate(vocab.token_bytes):
-        if data and t not in vocab.special_set and automaton.step_bytes(cid, data) != DEAD:
+        if not data or t in vocab.special_set:
+            continue
+        threads = start
+        for byte in data:
+            key = (threads, byte)
+            nxt = stepped.get(key)
+            if nxt is None:
+                nxt = stepped[key] = reference_step(automaton, threads, byte)
+            threads = nxt
+            if not threads:
+                break
+        else:
             ref[t] = True
-    for t in automaton.allowed_tokens(cid):
-        ref[t] = True
+    for s, sid in start:
+        if s != automaton.mark:
+            for t, target in automaton.g.token_edges[s]:
+                if _CLOSURE(automaton, [(target, sid)]):
+                    ref[t] = True
     return ref
 
 

@@ -18,7 +18,7 @@ from rawserve.engine.guided.nfa import compile_grammar
 from rawserve.engine.guided.shared_masks import SharedMasks
 from rawserve.engine.guided.vocab import VocabIndex
 from tests.guided.test_lexemes import GRAMMARS, TEXTS, check_every_place, lexeme_vocab
-from tests.guided.test_matcher import brute_mask
+from tests.guided.test_matcher import brute_mask, reference_step
 
 # keys, an enum, integers, a boolean and strings: most places are narrow
 SCHEMA = {"type": "object", "properties": {
@@ -157,3 +157,85 @@ def test_a_counted_strings_places_are_matched_without_their_rows(vocab):
             shifted = lexeme.advance_counted(cid, data) if data and t not in vocab.special_set else None
             if shifted is not None:
                 assert shifted == a.step_bytes(cid, data), (cid, data)
+
+
+# long keys: a walk from before one goes down its letters as a thread on a state that only consumes
+LONG_KEYS = {"type": "object", "properties": {"a_long_property_name": {"type": "integer"},
+                                              "another_long_name": {"enum": ["abc", "abd"]},
+                                              "x": {"type": "string", "maxLength": 40}},
+             "required": ["a_long_property_name", "another_long_name", "x"], "additionalProperties": False}
+LONG_KEYS_TEXT = '{"a_long_property_name": 12, "another_long_name": "abd", "x": "v\\"w"}'
+
+
+def _long_key_vocab() -> VocabIndex:
+    """The lexeme vocabulary and tokens that run down the keys' letters, cross their closing quotes into what
+    follows and open a string value inside one token."""
+    tokens, specials = lexeme_vocab()
+    extra = [b'{"a_long', b'_property', b'_name', b'_name": 1', b'another', b'_long_name": "a', b'ab', b'"x": "v',
+             b'{"a_long_property_name": 12', b'{"alpha_property_one', b'{"beta_property_two": 3']
+    base = len(tokens) - len(specials)
+    tokens = tokens[:base] + extra + tokens[base:]
+    return VocabIndex(tokens, {i + len(extra) for i in specials}, len(tokens) + 3)
+
+
+def test_a_walk_down_a_keys_letters_interns_none_of_them():
+    """A configuration of one thread on a state with lone_edges (a key's letter) is walked by that state's edges:
+    masks equal the reference at every place, and a mask before a key interns a handful of configurations, not one
+    per letter its tokens pass (the first mask's walk reaches 26 bytes into the first key)."""
+    vocab = _long_key_vocab()
+    runtime = _cold_runtime(vocab, schema_to_grammar(LONG_KEYS), "lone_walk")
+    a = runtime.automaton
+    assert torch.equal(runtime.mask(a.start).allowed(vocab.vocab_size), brute_mask(a, vocab, a.start))
+    assert a.num_configs <= 6, a.num_configs  # 29 with a configuration per letter
+    # before `"x": "v`: the walk crosses the key's closing quote as a thread (its edges cover no lexer state's alive
+    # bytes: nothing interned there) and still takes the counted value's opening quote into the lexeme's sets
+    before_x = a.step_bytes(a.start, LONG_KEYS_TEXT[:LONG_KEYS_TEXT.index('"x"')].encode())
+    num_below = runtime._lexeme.num_below + runtime._tail.num_below
+    assert torch.equal(runtime.mask(before_x).allowed(vocab.vocab_size), brute_mask(a, vocab, before_x))
+    assert runtime._lexeme.num_below + runtime._tail.num_below == num_below + 1
+    assert check_every_place(runtime, vocab, LONG_KEYS_TEXT) > 40
+
+
+def test_a_walk_goes_on_as_one_thread_once_a_byte_tells_the_keys_apart():
+    """Optional keys: the configuration after `{"` has a thread per key, and the one a key's first letter leads to
+    is walked on as that key's thread, interning none of its letters; masks equal the reference."""
+    vocab = _long_key_vocab()
+    schema = {"type": "object", "properties": {"alpha_property_one": {"type": "integer"},
+                                               "beta_property_two": {"type": "integer"}},
+              "additionalProperties": False}
+    runtime = _cold_runtime(vocab, schema_to_grammar(schema), "lone_after_many")
+    a = runtime.automaton
+    assert torch.equal(runtime.mask(a.start).allowed(vocab.vocab_size), brute_mask(a, vocab, a.start))
+    assert a.num_configs <= 12, a.num_configs  # 43 with a configuration per letter
+    assert check_every_place(runtime, vocab, '{"alpha_property_one": 12, "beta_property_two": 3}') > 30
+
+
+def test_bytes_stepped_as_one_thread_lead_where_the_reference_does():
+    """step_bytes walks a token's bytes as one thread where it can and interns only where it ends: from every
+    configuration a pass reaches, every token lands on the threads the reference steps to (and each configuration's
+    edge bytes are its edges')."""
+    vocab = _long_key_vocab()
+    runtime = _cold_runtime(vocab, schema_to_grammar(LONG_KEYS), "lone_steps")
+    check_every_place(runtime, vocab, LONG_KEYS_TEXT)
+    a = runtime.automaton
+    num_lone = 0
+    for cid in range(1, a.num_configs):
+        num_lone += a.lone[cid] is not None and a.lone_edges(a.lone[cid][0]) is not None
+        # one thread's configuration reads its edge bytes off its state (state_covers), not an edge list
+        edges = a._edges(cid)
+        assert a.edge_bytes(cid) == sum(1 << b for b in range(256) if any(lo <= b <= hi for lo, hi, _, _ in edges))
+        for data in vocab.token_bytes:
+            threads = a.configs[cid]
+            for byte in data:
+                threads = reference_step(a, threads, byte)
+            assert a.configs[a.step_bytes(cid, data)] == threads, (cid, data)
+    assert num_lone >= 20
+
+
+def test_a_grammar_without_special_tokens_reads_no_token_rows(vocab, monkeypatch):
+    """Its configurations all answer allowed_tokens with one empty dict, no token row read; one with special
+    tokens still works its out (test_a_configurations_special_tokens_are_worked_out_once)."""
+    a = Automaton(compile_grammar(schema_to_grammar(SCHEMA), "no_tokens"))
+    monkeypatch.setattr(a, "_read_tokens", lambda s: pytest.fail("a token row was read"))
+    cid = a.step_bytes(a.start, b'{"order": "ORD-0')
+    assert cid != DEAD and a.allowed_tokens(a.start) == {} and a.allowed_tokens(cid) == {}

@@ -8,7 +8,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.nfa_rows import has_edges, is_empty_reader, row_reader
+from rawserve.engine.guided.nfa_rows import has_any_edge, has_edges, is_empty_reader, row_reader
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
 DEAD = 0  # configuration id of the empty set: no thread survives
@@ -70,10 +70,17 @@ class Automaton:
         self._config_ids: dict[frozenset[tuple[int, int]], int] = {frozenset(): DEAD}
         self.next_byte: list[tuple[int, ...]] = [DEAD_ROW]  # UNEXPANDED: not computed yet
         self.next_token: list[dict[int, int] | None] = [{}]  # special token id -> configuration; None: not yet
+        # A grammar without special tokens (a JSON schema's) answers every configuration with this one dict, never
+        # written: working each out read every thread's token row, ~1.5 ms of nested20's first pass (caches cold).
+        self._no_tokens: dict[int, int] | None = None if has_any_edge(g.token_edges) else {}
         self.is_accepting: list[bool] = [False]
         self.is_complete: list[bool] = [False]  # accepting, and nothing more can follow
         # 0: dead; 1: a thread that never popped into a MARK frame is alive; 2: only MARK threads
         self.kind: list[int] = [0]
+        # per configuration: its thread when it has one, else None. A narrow walk steps a configuration of one thread
+        # on a state with lone_edges by those edges, interning nothing it passes through (lone_config)
+        self.lone: list[tuple[int, int] | None] = [None]
+        self._lone_edges: dict[int, tuple[tuple[int, int, int], ...] | None] = {}
         self._truncated: dict[tuple[int, int], int] = {}  # (configuration, depth) -> its cut
         self._regions = sorted(g.repeats)
         self._region_firsts = [first for first, _, _ in self._regions]
@@ -84,6 +91,7 @@ class Automaton:
         self._spare: dict[tuple[int, int], int] = {}  # (configuration, run) -> spare_in, asked per trie node
         self._edge_lists: dict[int, tuple[tuple[int, int, int, int], ...]] = {}  # configuration -> _edges
         self._edge_bytes: dict[int, int] = {}  # configuration -> edge_bytes
+        self._state_covers: dict[int, int] = {}  # state -> state_covers
         self._edge_runs: dict[int, tuple[tuple[int, int], ...]] = {}  # configuration -> edge_runs
         # the threads a byte moves (in edge order) -> the configuration of their closure, for every configuration's
         # steps (expand, step_some, run_steps): a third of a cold pass's closures were of threads another
@@ -193,12 +201,19 @@ class Automaton:
         self._config_ids[threads] = cid
         self.configs.append(threads)
         self.next_byte.append(UNEXPANDED)
-        self.next_token.append(None)
+        self.next_token.append(self._no_tokens)
         accepting = (self.accept_state, 0) in threads
         self.is_accepting.append(accepting)
         self.is_complete.append(accepting and len(threads) == 1)
         mark = self.mark
-        self.kind.append(0 if not threads else 1 if any(s != mark for s, _ in threads) else 2)
+        kind = 0
+        for s, _ in threads:  # a loop, not any() over a generator: a new configuration's first thread decides it
+            if s != mark:
+                kind = 1
+                break
+            kind = 2
+        self.kind.append(kind)
+        self.lone.append(next(iter(threads)) if len(threads) == 1 else None)
         return cid
 
     def truncate(self, cid: int, depth: int) -> int:
@@ -447,10 +462,28 @@ class Automaton:
         by its refusals and its walk's width each."""
         covered = self._edge_bytes.get(cid)
         if covered is None:
-            covered = 0
-            for lo, hi, _, _ in self._edges(cid):
-                covered |= (1 << (hi + 1)) - (1 << lo)
+            thread = self.lone[cid]
+            if thread is not None:  # one thread: its state's, kept per state, with no edge list made for cid
+                covered = self.state_covers(thread[0])
+            else:
+                covered = 0
+                for lo, hi, _, _ in self._edges(cid):
+                    covered |= (1 << (hi + 1)) - (1 << lo)
             self._edge_bytes[cid] = covered
+        return covered
+
+    def state_covers(self, s: int) -> int:
+        """The bytes some byte edge of state s takes, as a bitmask (MARK: every byte). Kept per state."""
+        covered = self._state_covers.get(s)
+        if covered is None:
+            covered = 0
+            if s == self.mark:
+                covered = (1 << 256) - 1
+            else:
+                row = self._read_bytes(s)
+                for lo, hi, _ in (self.g.byte_edges[s] if row is None else row):
+                    covered |= (1 << (hi + 1)) - (1 << lo)
+            self._state_covers[s] = covered
         return covered
 
     def edge_runs(self, cid: int) -> tuple[tuple[int, int], ...]:
@@ -493,6 +526,30 @@ class Automaton:
         edges = self._edge_lists[cid] = tuple(edges)  # a tuple of int tuples: untracked by the garbage collector
         return edges
 
+    def lone_edges(self, s: int) -> tuple[tuple[int, int, int], ...] | None:
+        """s's byte edges (lo, hi, target), sorted and disjoint, when a thread on s alone is a configuration (s only
+        consumes: no epsilon move, call or rule end) that every byte takes to one thread at most (no two edges share a
+        byte): a key's letter, a digit, a string's character. None otherwise, MARK too."""
+        edges = self._lone_edges.get(s, False)
+        if edges is False:
+            edges = None
+            if s != self.mark and (self._plain[s] or self._is_plain(s)) == 1:
+                row = self._read_bytes(s)
+                row = sorted(self.g.byte_edges[s] if row is None else row)
+                if all(prev[1] < nxt[0] for prev, nxt in zip(row, row[1:])):
+                    edges = tuple(row)
+            self._lone_edges[s] = edges
+        return edges
+
+    def lone_config(self, s: int, sid: int) -> int:
+        """The configuration of thread (s, sid)'s closure, interned (kept in _moved, where one thread is its own
+        key)."""
+        thread = (s, sid)
+        cid = self._moved.get(thread)
+        if cid is None:
+            cid = self._moved[thread] = self._intern(self._closure([thread]))
+        return cid
+
     def step_some(self, cid: int, data: Iterable[int]) -> tuple[int, ...] | dict[int, int]:
         """cid's next configurations for the bytes of `data` alone (its whole row when expanded): a tail walk
         follows two or three bytes out of a configuration whose full row would intern ten successors
@@ -525,16 +582,38 @@ class Automaton:
         """Where `data` leads from cid, a byte at a time: a configuration not expanded yet is stepped by that byte
         alone (step_some), not its whole row. A sampled token inside a counted string that took the lexeme's
         sets passes places no walk expanded, and full rows made its advance cost 40x (34 ms of a 315-character
-        body's first pass)."""
-        next_byte = self.next_byte
+        body's first pass). A configuration of one thread with lone_edges is stepped by those, and what it leads to
+        interned only where that is not such a thread again: a token that spells a key's letters interned a
+        configuration per byte, most of nested20's first pass's, none of them a request's."""
+        next_byte, lone, lone_edges = self.next_byte, self.lone, self.lone_edges
+        s = -1  # with sid, the one thread cid stands for while s >= 0 (not interned)
         for byte in data:
-            nxt = next_byte[cid][byte]
-            if nxt < 0:
-                nxt = self.step_some(cid, (byte,))[byte]
-            cid = nxt
-            if cid == DEAD:
+            if s < 0:
+                nxt = next_byte[cid][byte]
+                if nxt >= 0:
+                    cid = nxt
+                    if cid == DEAD:
+                        return DEAD
+                    continue
+                thread = lone[cid]
+                if thread is None or lone_edges(thread[0]) is None:
+                    cid = self.step_some(cid, (byte,))[byte]
+                    if cid == DEAD:
+                        return DEAD
+                    continue
+                s, sid = thread
+            for lo, hi, t in lone_edges(s):
+                if lo <= byte <= hi:
+                    break
+            else:
                 return DEAD
-        return cid
+            if lone_edges(t) is not None:
+                s = t
+            else:
+                s, cid = -1, self.lone_config(t, sid)
+                if cid == DEAD:
+                    return DEAD
+        return cid if s < 0 else self.lone_config(s, sid)
 
     def allowed_tokens(self, cid: int) -> dict[int, int]:
         """Special tokens this configuration can take now -> the configuration after each (worked out once: None in

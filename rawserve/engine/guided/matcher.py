@@ -63,6 +63,7 @@ class GrammarRuntime:
         self.automaton = Automaton(compiled)
         self.vocab = vocab
         self.device = torch.device(device)
+        self._is_cpu = self.device.type == "cpu"
         self._table = torch.full((64 * 256,), -1, dtype=torch.int64)  # next config per cid * 256 + byte
         self._table[:256] = DEAD
         self._kind = torch.zeros(64, dtype=torch.int8)  # Automaton.kind per configuration, as the walk reads it
@@ -123,6 +124,8 @@ class GrammarRuntime:
         # One thread: a mask is hundreds of small tensor ops, and on a busy machine every intra-op
         # barrier waits for the slowest thread (a 40 ms walk took 1 s with two threads under load).
         threads = torch.get_num_threads()
+        if threads == 1:  # already one (bench.guided's --mask-threads): the two sets cost ~4 us a mask, caches cold
+            return self._build(cid)
         torch.set_num_threads(1)
         try:
             return self._build(cid)
@@ -306,51 +309,102 @@ class GrammarRuntime:
         node_byte, first_child, num_children, node_token = self.vocab.py_arrays()
         next_byte, expand, step_some, kind = a.next_byte, a.expand, a.step_some, a.kind
         alive_runs, edge_runs, edge_bytes = a.alive_runs, a.edge_runs, a.edge_bytes
+        lone, lone_edges, state_covers, lone_config = a.lone, a.lone_edges, a.state_covers, a.lone_config
+        may_pair = string_lexer().may_pair
         below_quote, below_tail = self._lexeme.walk_below, self._tail.walk_below
         certain: list[int] = []
         uncertain: list[int] = []
         budget = PY_WALK_BUDGET
-        work = [(0, cid)]
-        while work:
-            node, c = work.pop()
-            row = next_byte[c]
-            begin = first_child[node]
-            end = begin + num_children[node]
-            if end - begin > PY_WALK_STEP_SOME_MAX:
-                # a wide node (the root, `"`, a space: up to 256 children) read in the bytes c takes alone, found
-                # by bisection (VocabIndex lays a node's children out in byte order): 98% of the children a narrow
-                # walk looked at were dead. An unexpanded c is read in the runs its edges cover and stepped by
-                # the bytes of the children there alone: its row stays unbuilt.
-                runs = edge_runs(c) if row[0] < 0 else None
-                if runs is not None and edge_bytes(c).bit_count() > DENSE_WALK_FIRST_BYTES:
-                    runs = None  # wide: one row costs less than stepping byte by byte
-                    row = expand(c)
-                children = [j for lo, hi in (alive_runs(c) if runs is None else runs)
-                            for j in range(bisect_left(node_byte, lo, begin, end),
-                                           bisect_left(node_byte, hi, begin, end))]
-                if row[0] < 0:
-                    row = step_some(c, [node_byte[j] for j in children])
+        work = [(0, cid)]  # (node, configuration)
+        # (node, state, stack): a configuration of one thread on a state with lone_edges, stepped by those edges and
+        # never interned while it leads to such threads. Most configurations a narrow walk passes through are so (a
+        # key's letters, past the byte that told it apart), and never a request's: with step_bytes's alike, nested20's
+        # first pass interns ~870 configurations, not 1,307, and takes ~0.9x the CPU (its masks between logits rows).
+        threads: list[tuple[int, int, int]] = []
+        if lone[cid] is not None and lone_edges(lone[cid][0]) is not None:
+            work, threads = [], [(0, *lone[cid])]
+        while work or threads:
+            if threads:
+                node, s, sid = threads.pop()
+                begin = first_child[node]
+                end = begin + num_children[node]
+                budget -= end - begin
+                if budget < 0:
+                    return None
+                lone_children = []  # (child, state, stack): a thread on a state with lone_edges
+                stepped = []  # (child, its configuration)
+                for lo, hi, t in lone_edges(s):
+                    first, last = bisect_left(node_byte, lo, begin, end), bisect_left(node_byte, hi + 1, begin, end)
+                    if first == last:
+                        continue
+                    if lone_edges(t) is not None:
+                        lone_children += [(j, t, sid) for j in range(first, last)]
+                    else:  # t's closure moves on
+                        nxt = lone_config(t, sid)
+                        stepped += [(j, nxt) for j in range(first, last)]
             else:
-                if row[0] < 0:
-                    # inside a token few bytes go on, and most configurations there are never a request's: stepped
-                    # by those alone, json_object's first pass interned 11% fewer configurations (closures alike)
-                    row = step_some(c, node_byte[begin:end])
-                children = range(begin, end)
-            budget -= end - begin
-            if budget < 0:
-                return None
-            for j in children:
-                nxt = row[node_byte[j]]
-                if nxt != DEAD:
-                    token = node_token[j]
-                    if token >= 0:
-                        (certain if kind[nxt] == 1 else uncertain).append(token)
-                    # an opening quote into a string body: the tokens below it from the lexeme's sets, shared by
-                    # every grammar, rather than a walk through the string's configurations
-                    if num_children[j] and not (node_byte[j] == QUOTE and (below_quote(j, nxt, certain, uncertain)
-                                                                           or below_tail(j, nxt, certain, uncertain))):
+                node, c = work.pop()
+                row = next_byte[c]
+                begin = first_child[node]
+                end = begin + num_children[node]
+                if end - begin > PY_WALK_STEP_SOME_MAX:
+                    # a wide node (the root, `"`, a space: up to 256 children) read in the bytes c takes alone, found
+                    # by bisection (VocabIndex lays a node's children out in byte order): 98% of the children a
+                    # narrow walk looked at were dead. An unexpanded c is read in the runs its edges cover and
+                    # stepped by the bytes of the children there alone: its row stays unbuilt.
+                    runs = edge_runs(c) if row[0] < 0 else None
+                    if runs is not None and edge_bytes(c).bit_count() > DENSE_WALK_FIRST_BYTES:
+                        runs = None  # wide: one row costs less than stepping byte by byte
+                        row = expand(c)
+                    children = [j for lo, hi in (alive_runs(c) if runs is None else runs)
+                                for j in range(bisect_left(node_byte, lo, begin, end),
+                                               bisect_left(node_byte, hi, begin, end))]
+                    if row[0] < 0:
+                        row = step_some(c, [node_byte[j] for j in children])
+                else:
+                    if row[0] < 0:
+                        # inside a token few bytes go on, and most configurations there are never a request's:
+                        # stepped by those alone, json_object's first pass interned 11% fewer configurations
+                        row = step_some(c, node_byte[begin:end])
+                    children = range(begin, end)
+                budget -= end - begin
+                if budget < 0:
+                    return None
+                lone_children = ()
+                stepped = [(j, row[node_byte[j]]) for j in children]
+            for j, t, sid in lone_children:
+                # an opening quote goes the configurations' way (below_quote reads it) unless t's edges cover no
+                # string lexer state's alive bytes, which both below_quote and below_tail then refuse
+                if node_byte[j] == QUOTE and num_children[j] and may_pair(state_covers(t)):
+                    stepped.append((j, lone_config(t, sid)))
+                    continue
+                token = node_token[j]
+                if token >= 0:  # a thread on a state that consumes: alive, and not a MARK frame's
+                    certain.append(token)
+                if num_children[j]:
+                    threads.append((j, t, sid))
+            for j, nxt in stepped:
+                if nxt == DEAD:
+                    continue
+                token = node_token[j]
+                if token >= 0:
+                    (certain if kind[nxt] == 1 else uncertain).append(token)
+                # an opening quote into a string body: the tokens below it from the lexeme's sets, shared by every
+                # grammar, rather than a walk through the string's configurations (both refuse a configuration whose
+                # edges cover no lexer state's alive bytes, as a key's after its opening quote: asked here first)
+                if num_children[j] and not (node_byte[j] == QUOTE and may_pair(edge_bytes(nxt)) and (
+                        below_quote(j, nxt, certain, uncertain) or below_tail(j, nxt, certain, uncertain))):
+                    thread = lone[nxt]
+                    if thread is not None and lone_edges(thread[0]) is not None:
+                        threads.append((j, *thread))
+                    else:
                         work.append((j, nxt))
         return certain, uncertain
+
+    def _placed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids on the logits' device: on the CPU as they are (a no-op .to() went through the dispatcher, ~5 us a new
+        mask with caches cold)."""
+        return ids if self._is_cpu else ids.to(self.device)
 
     def _make_mask(self, num_plain: int, certain: torch.Tensor | list[int], more: list[int], accepting: bool,
                    lexeme: StringLexeme | InsideUpTo | None = None) -> TokenMask:
@@ -377,7 +431,7 @@ class GrammarRuntime:
         if dups:
             ids = sorted({*ids, *(d for t in ids if t in dups for d in dups[t])})
         tensor = id_tensor(ids)
-        mask = TokenMask(True, tensor.to(self.device), len(ids), accepting)
+        mask = TokenMask(True, self._placed(tensor), len(ids), accepting)
         return self._shared_masks.put(key, mask, len(key[3]))
 
     def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],
@@ -400,7 +454,7 @@ class GrammarRuntime:
         v = self.vocab
         if not lexeme.is_ban_list:  # inside a character or an escape: few tokens, an allow list
             ids = torch.unique(torch.cat((lexeme.ids, allowed)))
-            return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
+            return TokenMask(True, self._placed(ids), int(ids.numel()), accepting)
         # the lexeme's ban list less what the walk allowed: no [V] pass (walked ids carry their duplicates)
         banned = lexeme.ids
         if allowed.numel():  # a [V] scatter and a gather: a third of what torch.isin cost
@@ -409,10 +463,10 @@ class GrammarRuntime:
             banned = banned[~flags.index_select(0, banned)]
         num_allowed = v.vocab_size - int(banned.numel())
         if num_allowed > v.vocab_size // 2:
-            return TokenMask(False, banned.to(self.device), num_allowed, accepting)
+            return TokenMask(False, self._placed(banned), num_allowed, accepting)
         keep = torch.ones(v.vocab_size, dtype=torch.bool)
         keep[banned] = False
-        return TokenMask(True, keep.nonzero().squeeze(1).to(self.device), num_allowed, accepting)
+        return TokenMask(True, self._placed(keep.nonzero().squeeze(1)), num_allowed, accepting)
 
     def _tensor_mask(self, num_plain: int, certain: torch.Tensor, more: list[int], accepting: bool) -> TokenMask:
         v = self.vocab
@@ -423,7 +477,7 @@ class GrammarRuntime:
             if v.dup_ids.numel() and ids.numel():
                 ids = torch.cat((ids, v.dup_ids[torch.isin(v.dup_canon, ids)]))
             ids = torch.unique(ids)
-            return TokenMask(True, ids.to(self.device), int(ids.numel()), accepting)
+            return TokenMask(True, self._placed(ids), int(ids.numel()), accepting)
         if num_plain > 0:
             allowed = v.plain_split().mask_upto(num_plain).clone()
         else:
@@ -436,7 +490,7 @@ class GrammarRuntime:
         num_allowed = int(allowed.sum())
         is_allow_list = num_allowed <= v.vocab_size // 2
         ids = (allowed if is_allow_list else ~allowed).nonzero().squeeze(1)
-        return TokenMask(is_allow_list, ids.to(self.device), num_allowed, accepting)
+        return TokenMask(is_allow_list, self._placed(ids), num_allowed, accepting)
 
 
 def apply_masks(logits: torch.Tensor, rows: list[tuple[int, GuidedState, list[int]]]) -> None:

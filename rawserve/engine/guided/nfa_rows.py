@@ -132,6 +132,13 @@ def is_empty_reader(rows) -> Callable[[int], bool]:
     return (lambda s: not rows[s]) if isinstance(rows, list) else rows.is_empty
 
 
+def has_any_edge(rows) -> bool:
+    """Whether any state has an edge in these edge lists (a virtual state's are its template's)."""
+    if isinstance(rows, PackedRows):
+        return len(rows.flat) > 0
+    return any(rows.rows if isinstance(rows, ListRows) else rows)
+
+
 def has_edges(a, b) -> list[bool]:
     """Per state: any edge in a or b (from the offsets alone when the lists are flat; a virtual state as its
     template)."""
