@@ -3,7 +3,9 @@ length and delta-rule chunk size, and a decode step's ms after a given context.
 
 python -m bench.qwen35_forward [--prefill 512,4096] [--context 1024,8192,32768] [--rows 1,32] [--chunks 32,64,128]
     [--dtype bfloat16] [--decode-attention auto,sdpa] [--prefill-chunk 2048,0] [--threads 1] [--wave 32x128,32x16@112]
-Prints one JSON object per line (the 1-minute load average beside each figure: the box is shared; decode rows
+OpenMP waits as a spawned engine core's do (cpu_budget.wait_environment, unless the environment sets its own:
+`omp_waits` in each row). Prints one JSON object per line (the 1-minute load average beside each figure: the box
+is shared; decode rows
 also give the process CPU time per step and the step's top-level torch op count, which the load does not move). A
 decode's cost does not depend on the values in its context, so the decode rows fill the KV cache and the states
 with random values rather than prefilling them (32k prefill on a 2-core CPU takes minutes: pass it to --prefill
@@ -27,7 +29,14 @@ import statistics
 import sys
 import time
 
-import torch
+from rawserve.engine.cpu_budget import wait_environment
+
+# OpenMP's waits as a spawned engine core has them (GOMP_SPINCOUNT=30000), set before torch loads OpenMP: libgomp's
+# default 300,000 turns keep a finished region's teammate spinning on the CPU long_decode's helper thread needs
+# (the 32k decode step at two threads: 152 against 115 ms, load 1.4-1.9).
+os.environ.update(wait_environment(os.environ))
+
+import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 from bench.model_forward import rev
@@ -246,7 +255,8 @@ def main() -> None:
     most = max(prefills + contexts + [n + start for _, n, start in map(parse_wave, waves)]) + 2
     cfg = config_0_8b(most)
     base = {"bench": "qwen35_forward", "model": "qwen3.5-0.8b-random", "dtype": args.dtype,
-            "threads": torch.get_num_threads(), "rev": rev(), "load_avg_1m": round(os.getloadavg()[0], 2)}
+            "threads": torch.get_num_threads(), "rev": rev(), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "omp_waits": {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
     ids = torch.randint(0, 1000, (max(prefills + [1]),)).tolist()
     for chunk in (int(c) for c in args.chunks.split(",")):
         model = random_model(cfg, dtype, chunk)

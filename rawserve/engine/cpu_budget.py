@@ -141,17 +141,24 @@ def plan_threads(setting: int | str, environ: Mapping[str, str] | None = None,
         count = auto_threads(budget.cpus)
         spare = "" if count == budget.cpus else ", one left to the front process"
         reason = f"auto: {budget.source}{spare}"
-    env = {"OMP_NUM_THREADS": str(count)}
-    if not any(name in environ for name in _WAIT_VARS):
-        env["GOMP_SPINCOUNT"] = OMP_DEFAULTS["GOMP_SPINCOUNT"]
-    if "KMP_BLOCKTIME" not in environ:
-        env["KMP_BLOCKTIME"] = OMP_DEFAULTS["KMP_BLOCKTIME"]
+    env = {"OMP_NUM_THREADS": str(count), **wait_environment(environ)}
     waits = ", ".join(f"{name}={environ[name]}" for name in _WAIT_VARS if name in environ)
     reason += f"; OpenMP waits {'as the environment says (' + waits + ')' if waits else 'by a short spin'}"
     adaptive = setting == "auto" and user_count is None and count > 1
     if adaptive:
         reason += "; fewer while other processes keep CPUs busy"
     return ThreadPlan(count, reason, env, adaptive)
+
+
+def wait_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """OMP_DEFAULTS less what `environ` already says of OpenMP's waits: what a spawned core gets, and what an
+    in-process benchmark sets before torch loads OpenMP (it reads them once, at load) to time the engine's waits."""
+    env = {}
+    if not any(name in environ for name in _WAIT_VARS):
+        env["GOMP_SPINCOUNT"] = OMP_DEFAULTS["GOMP_SPINCOUNT"]
+    if "KMP_BLOCKTIME" not in environ:
+        env["KMP_BLOCKTIME"] = OMP_DEFAULTS["KMP_BLOCKTIME"]
+    return env
 
 
 def export_environment(env: Mapping[str, str]) -> dict[str, str | None]:
