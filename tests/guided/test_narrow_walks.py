@@ -220,7 +220,7 @@ def test_bytes_stepped_as_one_thread_lead_where_the_reference_does():
     a = runtime.automaton
     num_lone = 0
     for cid in range(1, a.num_configs):
-        num_lone += a.lone[cid] is not None and a.lone_edges(a.lone[cid][0]) is not None
+        num_lone += a.lone_thread(cid) is not None
         # one thread's configuration reads its edge bytes off its state (state_covers), not an edge list
         edges = a._edges(cid)
         assert a.edge_bytes(cid) == sum(1 << b for b in range(256) if any(lo <= b <= hi for lo, hi, _, _ in edges))

@@ -541,6 +541,11 @@ class Automaton:
             self._lone_edges[s] = edges
         return edges
 
+    def lone_thread(self, cid: int) -> tuple[int, int] | None:
+        """cid's one thread when a walk or step_bytes steps it by its state's lone_edges, else None."""
+        thread = self.lone[cid]
+        return thread if thread is not None and self.lone_edges(thread[0]) is not None else None
+
     def lone_config(self, s: int, sid: int) -> int:
         """The configuration of thread (s, sid)'s closure, interned (kept in _moved, where one thread is its own
         key)."""
@@ -585,7 +590,7 @@ class Automaton:
         body's first pass). A configuration of one thread with lone_edges is stepped by those, and what it leads to
         interned only where that is not such a thread again: a token that spells a key's letters interned a
         configuration per byte, most of nested20's first pass's, none of them a request's."""
-        next_byte, lone, lone_edges = self.next_byte, self.lone, self.lone_edges
+        next_byte, lone_thread, lone_edges = self.next_byte, self.lone_thread, self.lone_edges
         s = -1  # with sid, the one thread cid stands for while s >= 0 (not interned)
         for byte in data:
             if s < 0:
@@ -595,8 +600,8 @@ class Automaton:
                     if cid == DEAD:
                         return DEAD
                     continue
-                thread = lone[cid]
-                if thread is None or lone_edges(thread[0]) is None:
+                thread = lone_thread(cid)
+                if thread is None:
                     cid = self.step_some(cid, (byte,))[byte]
                     if cid == DEAD:
                         return DEAD

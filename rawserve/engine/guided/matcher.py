@@ -309,7 +309,7 @@ class GrammarRuntime:
         node_byte, first_child, num_children, node_token = self.vocab.py_arrays()
         next_byte, expand, step_some, kind = a.next_byte, a.expand, a.step_some, a.kind
         alive_runs, edge_runs, edge_bytes = a.alive_runs, a.edge_runs, a.edge_bytes
-        lone, lone_edges, state_covers, lone_config = a.lone, a.lone_edges, a.state_covers, a.lone_config
+        lone_thread, lone_edges, state_covers, lone_config = a.lone_thread, a.lone_edges, a.state_covers, a.lone_config
         may_pair = string_lexer().may_pair
         below_quote, below_tail = self._lexeme.walk_below, self._tail.walk_below
         certain: list[int] = []
@@ -321,8 +321,8 @@ class GrammarRuntime:
         # key's letters, past the byte that told it apart), and never a request's: with step_bytes's alike, nested20's
         # first pass interns ~870 configurations, not 1,307, and takes ~0.9x the CPU (its masks between logits rows).
         threads: list[tuple[int, int, int]] = []
-        if lone[cid] is not None and lone_edges(lone[cid][0]) is not None:
-            work, threads = [], [(0, *lone[cid])]
+        if lone_thread(cid) is not None:
+            work, threads = [], [(0, *lone_thread(cid))]
         while work or threads:
             if threads:
                 node, s, sid = threads.pop()
@@ -394,8 +394,8 @@ class GrammarRuntime:
                 # edges cover no lexer state's alive bytes, as a key's after its opening quote: asked here first)
                 if num_children[j] and not (node_byte[j] == QUOTE and may_pair(edge_bytes(nxt)) and (
                         below_quote(j, nxt, certain, uncertain) or below_tail(j, nxt, certain, uncertain))):
-                    thread = lone[nxt]
-                    if thread is not None and lone_edges(thread[0]) is not None:
+                    thread = lone_thread(nxt)
+                    if thread is not None:
                         threads.append((j, *thread))
                     else:
                         work.append((j, nxt))
