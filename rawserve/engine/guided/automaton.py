@@ -155,7 +155,6 @@ class Automaton:
         g = self.g
         eps, calls, is_final, consuming, is_tail = g.eps, g.call_edges, g.is_final, self.consuming, self.is_tail
         read_eps, read_calls = self._read_eps, self._read_calls
-        mark = self.mark
         out = set()
         seen = set()
         work = list(threads)
@@ -165,7 +164,7 @@ class Automaton:
                 continue
             seen.add(thread)
             s, sid = thread
-            if s == mark:
+            if plain[s] == 1:  # it only consumes (MARK: any byte, forever): nothing more to follow
                 out.add(thread)
                 continue
             if consuming[s]:
@@ -225,8 +224,11 @@ class Automaton:
             return cut
         threads = self.configs[cid]
         stacks = self.stacks
-        if all(stacks[sid][2] <= depth for _, sid in threads) or any(
-                stacks[sid][2] > MAX_STACK_DEPTH - 64 for _, sid in threads):
+        deepest = 0  # a loop, not all() and any() over generators: asked of most masks' configurations, once each
+        for _, sid in threads:
+            if stacks[sid][2] > deepest:
+                deepest = stacks[sid][2]
+        if deepest <= depth or deepest > MAX_STACK_DEPTH - 64:
             cut = cid
         else:
             new = set()
@@ -462,13 +464,12 @@ class Automaton:
         by its refusals and its walk's width each."""
         covered = self._edge_bytes.get(cid)
         if covered is None:
-            thread = self.lone[cid]
-            if thread is not None:  # one thread: its state's, kept per state, with no edge list made for cid
-                covered = self.state_covers(thread[0])
-            else:
-                covered = 0
-                for lo, hi, _, _ in self._edges(cid):
-                    covered |= (1 << (hi + 1)) - (1 << lo)
+            # its states', kept per state, with no edge list made for cid: most states recur across configurations
+            # (a value's whitespace, a number's digits), and a configuration refused by its bytes needs none
+            state_covers = self.state_covers
+            covered = 0
+            for s, _ in self.configs[cid]:
+                covered |= state_covers(s)
             self._edge_bytes[cid] = covered
         return covered
 
@@ -535,16 +536,25 @@ class Automaton:
             edges = None
             if s != self.mark and (self._plain[s] or self._is_plain(s)) == 1:
                 row = self._read_bytes(s)
-                row = sorted(self.g.byte_edges[s] if row is None else row)
-                if all(prev[1] < nxt[0] for prev, nxt in zip(row, row[1:])):
+                if row is None:
+                    row = self.g.byte_edges[s]
+                if len(row) == 1:  # most (a key's letter): nothing to sort or compare, asked once per state walked
                     edges = tuple(row)
+                else:
+                    row = sorted(row)
+                    if all(prev[1] < nxt[0] for prev, nxt in zip(row, row[1:])):
+                        edges = tuple(row)
             self._lone_edges[s] = edges
         return edges
 
-    def lone_thread(self, cid: int) -> tuple[int, int] | None:
-        """cid's one thread when a walk or step_bytes steps it by its state's lone_edges, else None."""
+    def lone_thread(self, cid: int) -> tuple[int, int, tuple[tuple[int, int, int], ...]] | None:
+        """(state, stack, that state's lone_edges) of cid's one thread when a walk or step_bytes steps it by those
+        edges, else None."""
         thread = self.lone[cid]
-        return thread if thread is not None and self.lone_edges(thread[0]) is not None else None
+        if thread is None:
+            return None
+        edges = self.lone_edges(thread[0])
+        return None if edges is None else (*thread, edges)
 
     def lone_config(self, s: int, sid: int) -> int:
         """The configuration of thread (s, sid)'s closure, interned (kept in _moved, where one thread is its own
@@ -606,7 +616,7 @@ class Automaton:
                     if cid == DEAD:
                         return DEAD
                     continue
-                s, sid = thread
+                s, sid, _ = thread
             for lo, hi, t in lone_edges(s):
                 if lo <= byte <= hi:
                     break

@@ -160,14 +160,16 @@ class GrammarRuntime:
             self._walks[base] = walked
             self._cache_bytes += 8 * (len(walked[1]) + len(walked[2]))
         num_plain, certain, uncertain, lexeme = walked
-        extra = [t for t in uncertain if self.advance(cid, t) != DEAD]
-        specials = [t for t in a.allowed_tokens(cid) if 0 <= t < self.vocab.vocab_size] if cid != DEAD else []
+        # a comprehension is a call: most masks have no undecided tokens and no special ones (DEAD's dict is empty)
+        extra = [t for t in uncertain if self.advance(cid, t) != DEAD] if uncertain else []
+        allowed = a.allowed_tokens(cid)
+        specials = [t for t in allowed if 0 <= t < self.vocab.vocab_size] if allowed else []
         key = (base, tuple(extra), tuple(specials), a.is_accepting[cid])
         mask = self._shared.get(key)
         if mask is None:
             mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid], lexeme)
             self._shared[key] = mask
-            self._cache_bytes += mask.ids.numel() * mask.ids.element_size()
+            self._cache_bytes += mask.ids.nbytes
         self._masks[cid] = mask
         self.num_masks_built += 1
         self.mask_build_s += time.perf_counter() - began
@@ -315,33 +317,48 @@ class GrammarRuntime:
         certain: list[int] = []
         uncertain: list[int] = []
         budget = PY_WALK_BUDGET
-        work = [(0, cid)]  # (node, configuration)
-        # (node, state, stack): a configuration of one thread on a state with lone_edges, stepped by those edges and
-        # never interned while it leads to such threads. Most configurations a narrow walk passes through are so (a
-        # key's letters, past the byte that told it apart), and never a request's: with step_bytes's alike, nested20's
-        # first pass interns ~870 configurations, not 1,307, and takes ~0.9x the CPU (its masks between logits rows).
-        threads: list[tuple[int, int, int]] = []
-        if lone_thread(cid) is not None:
-            work, threads = [], [(0, *lone_thread(cid))]
+        work: list[tuple[int, int]] = []  # (node, configuration)
+        # (node, stack, the state's lone_edges): a configuration of one thread on a state with lone_edges, stepped by
+        # those edges and never interned while it leads to such threads. Most configurations a narrow walk passes
+        # through are so (a key's letters, past the byte that told it apart), and never a request's: with step_bytes's
+        # alike, nested20's first pass interns ~870 configurations, not 1,307, and takes ~0.9x the CPU (its masks
+        # between logits rows). The edges travel with the thread: read once per state the walk reaches.
+        threads: list[tuple[int, int, tuple[tuple[int, int, int], ...]]] = []
+        thread = lone_thread(cid)
+        if thread is None:
+            work.append((0, cid))
+        else:
+            threads.append((0, *thread[1:]))
         while work or threads:
             if threads:
-                node, s, sid = threads.pop()
+                node, sid, edges = threads.pop()
                 begin = first_child[node]
                 end = begin + num_children[node]
                 budget -= end - begin
                 if budget < 0:
                     return None
-                lone_children = []  # (child, state, stack): a thread on a state with lone_edges
                 stepped = []  # (child, its configuration)
-                for lo, hi, t in lone_edges(s):
-                    first, last = bisect_left(node_byte, lo, begin, end), bisect_left(node_byte, hi + 1, begin, end)
+                for lo, hi, t in edges:
+                    first = bisect_left(node_byte, lo, begin, end)
+                    last = bisect_left(node_byte, hi + 1, first, end)
                     if first == last:
                         continue
-                    if lone_edges(t) is not None:
-                        lone_children += [(j, t, sid) for j in range(first, last)]
-                    else:  # t's closure moves on
+                    next_edges = lone_edges(t)
+                    if next_edges is None:  # t's closure moves on
                         nxt = lone_config(t, sid)
                         stepped += [(j, nxt) for j in range(first, last)]
+                        continue
+                    for j in range(first, last):
+                        # an opening quote goes the configurations' way (below_quote reads it) unless t's edges cover
+                        # no string lexer state's alive bytes, which both below_quote and below_tail then refuse
+                        if node_byte[j] == QUOTE and num_children[j] and may_pair(state_covers(t)):
+                            stepped.append((j, lone_config(t, sid)))
+                            continue
+                        token = node_token[j]
+                        if token >= 0:  # a thread on a state that consumes: alive, and not a MARK frame's
+                            certain.append(token)
+                        if num_children[j]:
+                            threads.append((j, sid, next_edges))
             else:
                 node, c = work.pop()
                 row = next_byte[c]
@@ -370,19 +387,7 @@ class GrammarRuntime:
                 budget -= end - begin
                 if budget < 0:
                     return None
-                lone_children = ()
                 stepped = [(j, row[node_byte[j]]) for j in children]
-            for j, t, sid in lone_children:
-                # an opening quote goes the configurations' way (below_quote reads it) unless t's edges cover no
-                # string lexer state's alive bytes, which both below_quote and below_tail then refuse
-                if node_byte[j] == QUOTE and num_children[j] and may_pair(state_covers(t)):
-                    stepped.append((j, lone_config(t, sid)))
-                    continue
-                token = node_token[j]
-                if token >= 0:  # a thread on a state that consumes: alive, and not a MARK frame's
-                    certain.append(token)
-                if num_children[j]:
-                    threads.append((j, t, sid))
             for j, nxt in stepped:
                 if nxt == DEAD:
                     continue
@@ -395,10 +400,10 @@ class GrammarRuntime:
                 if num_children[j] and not (node_byte[j] == QUOTE and may_pair(edge_bytes(nxt)) and (
                         below_quote(j, nxt, certain, uncertain) or below_tail(j, nxt, certain, uncertain))):
                     thread = lone_thread(nxt)
-                    if thread is not None:
-                        threads.append((j, *thread))
-                    else:
+                    if thread is None:
                         work.append((j, nxt))
+                    else:
+                        threads.append((j, *thread[1:]))
         return certain, uncertain
 
     def _placed(self, ids: torch.Tensor) -> torch.Tensor:
