@@ -73,6 +73,32 @@ def test_a_shared_mask_keeps_whether_its_configuration_accepts(vocab):
     assert [m.accepting for m in masks] == [False, True]
 
 
+def test_a_mask_is_found_by_its_allowed_set_whatever_order_the_walk_gave_its_ids(vocab):
+    """_list_mask and _lexeme_mask key a mask by the walked ids as a set: the same ids in another order, repeated, or
+    split between the walk's and the ones checked one by one, find the one mask; one id more is another mask, which
+    allows it."""
+    from rawserve.engine.guided.lexemes import string_lexeme
+
+    vocab.shared_masks.clear()
+    runtime = GrammarRuntime(compile_grammar(schema_to_grammar(_schema("", 5)), "by_set"), vocab)
+    ids = [7, 3, 11, 5]
+    made = runtime._list_mask(ids, [], False)
+    assert runtime._list_mask([11, 5, 3, 7, 3], [], False) is made
+    assert runtime._list_mask([5, 11], [7, 3], False) is made
+    more = runtime._list_mask(ids, [13], False)
+    assert more is not made and more.allowed(vocab.vocab_size)[13] and not made.allowed(vocab.vocab_size)[13]
+    assert made.ids.tolist() == sorted(ids)  # a narrow mask's ids stay sorted
+    lexeme = string_lexeme(vocab)
+    inside = runtime._lexeme_mask(lexeme, ids, [], False)
+    assert runtime._lexeme_mask(lexeme, [11, 5, 3, 7, 7], [], False) is inside
+    assert runtime._lexeme_mask(lexeme, [5, 11], [3, 7], False) is inside
+    assert lexeme.is_ban_list  # from a character boundary most tokens stay inside
+    banned = next(t for t in lexeme.ids.tolist() if t not in ids)
+    wider = runtime._lexeme_mask(lexeme, ids, [banned], False)  # a banned token the walk allows: its own mask
+    assert wider is not inside
+    assert wider.allowed(vocab.vocab_size)[banned] and not inside.allowed(vocab.vocab_size)[banned]
+
+
 def _mask(num_ids: int) -> TokenMask:
     return TokenMask(True, torch.arange(num_ids, dtype=torch.int64), num_ids, False)
 

@@ -75,7 +75,7 @@ class GrammarRuntime:
         self._tail = CountedTail(self._lexeme)  # a counted string's last places: the lexeme's tokens by count
         self._shared: dict[tuple, TokenMask] = {}  # per (cut configuration, ids checked one by one, ...)
         self._shared_masks = vocab.shared_masks  # equal masks are one object, across grammars too
-        # the device in its keys as a string: a key of strs and ints is untracked by the garbage collector
+        # the device in its keys as a string, not a torch.device object
         self._device_key = str(self.device)
         self._token_next: dict[tuple[int, int], int] = {}
         self.num_masks_built = 0
@@ -424,33 +424,30 @@ class GrammarRuntime:
     def _list_mask(self, certain: list[int], more: list[int], accepting: bool) -> TokenMask:
         """A narrow mask in Python and one tensor (the cat, isin and unique of _tensor_mask cost 50-100 us a mask,
         most of a key's or a digit's), or the equal one another configuration or grammar made
-        (VocabIndex.shared_masks)."""
-        ids = set(certain)
-        ids.update(more)
-        ids = sorted(ids)
-        key = ("ids", self._device_key, accepting, tuple(ids))
+        (VocabIndex.shared_masks). Keyed by the ids as a frozenset, equal whatever order the walk found them in: a
+        string value's start allows ~380 ids, and sorting them into a tuple cost ~60 us a mask where the set costs
+        ~20 (the key is then a container the garbage collector tracks, one per distinct mask)."""
+        allowed = frozenset(certain).union(more) if more else frozenset(certain)
+        key = ("ids", self._device_key, accepting, allowed)
         mask = self._shared_masks.get(key)
         if mask is not None:
             return mask
         dups = self.vocab.dups_of()
-        if dups:
-            ids = sorted({*ids, *(d for t in ids if t in dups for d in dups[t])})
+        ids = sorted({*allowed, *(d for t in allowed if t in dups for d in dups[t])} if dups else allowed)
         tensor = id_tensor(ids)
         mask = TokenMask(True, self._placed(tensor), len(ids), accepting)
-        return self._shared_masks.put(key, mask, len(key[3]))
+        return self._shared_masks.put(key, mask, len(allowed))
 
     def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],
                      accepting: bool) -> TokenMask:
         """A string lexeme's inside set with the walked ids allowed too (they carry their duplicates): one per
         lexeme and walked set whatever the configuration or grammar (VocabIndex.shared_masks): a string's places,
         and every schema's strings, walk the same few close sets."""
-        allowed = set(certain)
-        allowed.update(more)
-        allowed = sorted(allowed)
-        key = ("lexeme", self._device_key, accepting, lexeme.key, tuple(allowed))
+        allowed = frozenset(certain).union(more) if more else frozenset(certain)
+        key = ("lexeme", self._device_key, accepting, lexeme.key, allowed)
         mask = self._shared_masks.get(key)
-        if mask is None:
-            mask = self._shared_masks.put(key, self._lexeme_tensors(lexeme, id_tensor(allowed), accepting),
+        if mask is None:  # the ids in any order: they are scattered into flags, or sorted by unique
+            mask = self._shared_masks.put(key, self._lexeme_tensors(lexeme, id_tensor(list(allowed)), accepting),
                                           len(allowed))
         return mask
 

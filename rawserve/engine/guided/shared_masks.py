@@ -18,8 +18,8 @@ ENTRY_OVERHEAD_BYTES = 400
 
 class SharedMasks:
     """Masks by content, for every GrammarRuntime of one vocabulary (`VocabIndex.shared_masks`). A key names the
-    whole allowed set (and the device, and whether the configuration accepts): a narrow mask's sorted ids, or a string
-    lexeme's sets (its lexer state, or a counted place's characters left) with the sorted ids its walk allowed beside
+    whole allowed set (and the device, and whether the configuration accepts): a narrow mask's ids (a frozenset), or a
+    string lexeme's sets (its lexer state, or a counted place's characters left) with the ids its walk allowed beside
     them.
 
     Why: one output's string places, and every schema's, end in a handful of such sets (nested20's first pass made
