@@ -3,6 +3,7 @@ cold and one compiled after it, sharing its lexemes, both mask as brute force do
 object per key under threads."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -88,6 +89,12 @@ def test_a_mask_is_found_by_its_allowed_set_whatever_order_the_walk_gave_its_ids
     more = runtime._list_mask(ids, [13], False)
     assert more is not made and more.allowed(vocab.vocab_size)[13] and not made.allowed(vocab.vocab_size)[13]
     assert made.ids.tolist() == sorted(ids)  # a narrow mask's ids stay sorted
+    # a set takes more than 8 bytes an id: the shared masks' bound counts what the key really holds
+    vocab.shared_masks.clear()
+    wide = list(range(3, 603, 2))
+    kept = runtime._list_mask(wide, [], True)
+    assert vocab.shared_masks.nbytes == kept.ids.nbytes + sys.getsizeof(frozenset(wide)) + ENTRY_OVERHEAD_BYTES
+    assert sys.getsizeof(frozenset(wide)) > 16 * len(wide)
     lexeme = string_lexeme(vocab)
     inside = runtime._lexeme_mask(lexeme, ids, [], False)
     assert runtime._lexeme_mask(lexeme, [11, 5, 3, 7, 7], [], False) is inside
@@ -104,16 +111,16 @@ def _mask(num_ids: int) -> TokenMask:
 
 
 def test_shared_masks_past_their_byte_bound_drop_the_least_recently_used():
-    entry = 8 * 100 + 8 * 2 + ENTRY_OVERHEAD_BYTES  # a mask of 100 ids under a key of 2 ids
+    entry = 8 * 100 + 16 + ENTRY_OVERHEAD_BYTES  # a mask of 100 ids under a key whose ids take 16 bytes
     shared = SharedMasks(max_bytes=3 * entry)
     for i in range(3):
-        shared.put(("ids", i), _mask(100), 2)
+        shared.put(("ids", i), _mask(100), 16)
     assert shared.get(("ids", 0)) is not None  # now the most recently used
-    shared.put(("ids", 3), _mask(100), 2)
+    shared.put(("ids", 3), _mask(100), 16)
     assert shared.get(("ids", 1)) is None and shared.get(("ids", 0)) is not None and len(shared) == 3
     assert shared.nbytes == 3 * entry
     big = _mask(10_000)
-    assert shared.put(("ids", "big"), big, 2) is big and shared.get(("ids", "big")) is None  # over the bound alone
+    assert shared.put(("ids", "big"), big, 16) is big and shared.get(("ids", "big")) is None  # over the bound alone
 
 
 def test_threads_putting_one_key_keep_one_mask():
@@ -126,7 +133,7 @@ def test_threads_putting_one_key_keep_one_mask():
     def put_all(i: int) -> None:
         barrier.wait()
         for k in range(300):
-            kept[i].append(shared.put(("ids", k), _mask(4), 1))
+            kept[i].append(shared.put(("ids", k), _mask(4), 8))
 
     threads = [threading.Thread(target=put_all, args=(i,)) for i in range(4)]
     for t in threads:

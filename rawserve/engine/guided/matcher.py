@@ -7,6 +7,7 @@ Core side. Only rows of constrained requests are touched; a mask is computed onc
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from bisect import bisect_left
 from collections import OrderedDict
@@ -426,7 +427,8 @@ class GrammarRuntime:
         most of a key's or a digit's), or the equal one another configuration or grammar made
         (VocabIndex.shared_masks). Keyed by the ids as a frozenset, equal whatever order the walk found them in: a
         string value's start allows ~380 ids, and sorting them into a tuple cost ~60 us a mask where the set costs
-        ~20 (the key is then a container the garbage collector tracks, one per distinct mask)."""
+        ~20. The set is the larger key (~30-90 bytes an id, a tuple's 8; counted as such against the shared masks'
+        bound) and a container the garbage collector tracks, one per distinct mask."""
         allowed = frozenset(certain).union(more) if more else frozenset(certain)
         key = ("ids", self._device_key, accepting, allowed)
         mask = self._shared_masks.get(key)
@@ -436,7 +438,7 @@ class GrammarRuntime:
         ids = sorted({*allowed, *(d for t in allowed if t in dups for d in dups[t])} if dups else allowed)
         tensor = id_tensor(ids)
         mask = TokenMask(True, self._placed(tensor), len(ids), accepting)
-        return self._shared_masks.put(key, mask, len(allowed))
+        return self._shared_masks.put(key, mask, sys.getsizeof(allowed))
 
     def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],
                      accepting: bool) -> TokenMask:
@@ -448,7 +450,7 @@ class GrammarRuntime:
         mask = self._shared_masks.get(key)
         if mask is None:  # the ids in any order: they are scattered into flags, or sorted by unique
             mask = self._shared_masks.put(key, self._lexeme_tensors(lexeme, id_tensor(list(allowed)), accepting),
-                                          len(allowed))
+                                          sys.getsizeof(allowed))
         return mask
 
     def _lexeme_tensors(self, lexeme: StringLexeme | InsideUpTo, allowed: torch.Tensor,

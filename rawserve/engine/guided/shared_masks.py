@@ -48,10 +48,10 @@ class SharedMasks:
             self.num_hits += 1
             return hit[0]
 
-    def put(self, key: tuple, mask: TokenMask, num_key_ids: int) -> TokenMask:
-        """Keep `mask` under `key` (which holds num_key_ids ids) -> the mask kept: another thread's, when it put one
+    def put(self, key: tuple, mask: TokenMask, key_bytes: int) -> TokenMask:
+        """Keep `mask` under `key` (whose ids take key_bytes) -> the mask kept: another thread's, when it put one
         first, so equal masks stay one object."""
-        nbytes = mask.ids.numel() * mask.ids.element_size() + 8 * num_key_ids + ENTRY_OVERHEAD_BYTES
+        nbytes = mask.ids.numel() * mask.ids.element_size() + key_bytes + ENTRY_OVERHEAD_BYTES
         if nbytes > self.max_bytes:
             return mask
         with self._lock:
