@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rawserve.engine.guided.automaton import DEAD
-from rawserve.engine.guided.grammar import Grammar, Repeat, alt, lit, seq
+from rawserve.engine.guided.grammar import Grammar, Repeat, Token, alt, lit, seq
 from rawserve.engine.guided.json_schema import schema_to_grammar
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar, gc_paused
@@ -85,6 +85,20 @@ def test_a_grammar_is_packed_as_built_and_pickles_as_its_built_states_alone():
             rows = getattr(grammar, name)
             assert [getattr(loaded, name)[s] for s in range(len(rows))] == list(rows), name
         assert loaded.is_final == grammar.is_final and loaded.virtual == grammar.virtual
+
+
+@pytest.mark.parametrize("grammar", [
+    schema_to_grammar({"type": "object", "properties": {"a": {"type": "string", "maxLength": 30}}}),
+    Grammar({"root": seq(Repeat(alt(lit("ab"), Token(7)), 0, 20), Token(5), Repeat(lit("c"), 0, 12))}),
+])
+def test_has_edges_reads_the_byte_and_token_edges_the_rows_have(grammar):
+    """has_edges (the automaton's consuming states) from a packed grammar's offsets, virtual states and all, with
+    token edges and without."""
+    compiled = compile_grammar(grammar, "edges")
+    assert compiled.virtual
+    rows_b, rows_t = compiled.byte_edges, compiled.token_edges
+    expected = [bool(rows_b[s] or rows_t[s]) for s in range(compiled.num_states)]
+    assert has_edges(rows_b, rows_t) == expected and True in expected and False in expected
 
 
 def _run_vocab() -> tuple[list[bytes], set[int]]:

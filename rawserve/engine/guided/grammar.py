@@ -102,12 +102,13 @@ class Grammar:
     # Bytes allowed between structural tokens are the front end's business; this records what it chose.
     notes: dict[str, str] = field(default_factory=dict)
 
-    def check(self) -> None:
-        """Raise GrammarError for an undefined rule or a missing start rule."""
+    def check(self, refs: dict[str, list[str]] | None = None) -> None:
+        """Raise GrammarError for an undefined rule or a missing start rule. `refs`: each rule's iter_refs, when the
+        caller has them (the NFA builder reads them too)."""
         if self.start not in self.rules:
             raise GrammarError(f"the grammar has no start rule {self.start!r}")
         for name, node in self.rules.items():
-            for ref in iter_refs(node):
+            for ref in iter_refs(node) if refs is None else refs[name]:
                 if ref not in self.rules:
                     raise GrammarError(f"rule {name!r} refers to undefined rule {ref!r}")
 
@@ -124,9 +125,21 @@ def iter_nodes(node: Node):
             stack.append(n.item)
 
 
-def iter_refs(node: Node):
-    """The rule names a node refers to."""
-    return (n.name for n in iter_nodes(node) if isinstance(n, Ref))
+def iter_refs(node: Node) -> list[str]:
+    """The rule names a node refers to, in iter_nodes' order (its walk inlined: through the generator it was most of
+    the NFA build's checks, for a grammar's every node)."""
+    names = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        kind = type(n)
+        if kind is Seq or kind is Alt:
+            stack.extend(n.items)
+        elif kind is Repeat:
+            stack.append(n.item)
+        elif kind is Ref:
+            names.append(n.name)
+    return names
 
 
 def iter_tokens(node: Node):

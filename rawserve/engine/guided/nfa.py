@@ -250,7 +250,7 @@ def _cyclic_rules(refs: dict[str, list[str]]) -> set[str]:
 
 
 class _Builder:
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, refs: dict[str, list[str]]) -> None:
         self.grammar = grammar
         # per state its edges' ints in a row (lo, hi, target, lo, ...), as they are packed: a list of tuples took a
         # second level of iteration to flatten
@@ -258,8 +258,6 @@ class _Builder:
         self.byte_edges: list[list[int]] = []
         self.token_edges: list[list[int]] = []
         self.call_edges: list[list[int]] = []
-        # each rule's references, read once (a walk of its whole body) for both uses
-        refs = {name: list(iter_refs(node)) for name, node in grammar.rules.items()}
         self.cyclic = _cyclic_rules(refs)
         self.num_uses = Counter(r for names in refs.values() for r in names)
         self.sizes: dict[str, int] = {}
@@ -481,8 +479,10 @@ def compile_grammar(grammar: Grammar, key: str) -> CompiledGrammar:
 
 
 def _compile(grammar: Grammar, key: str) -> CompiledGrammar:
-    grammar.check()
-    b = _Builder(grammar)
+    # each rule's references, read once (a walk of its whole body) for the check and the builder's two uses
+    refs = {name: iter_refs(node) for name, node in grammar.rules.items()}
+    grammar.check(refs)
+    b = _Builder(grammar, refs)
     num_states = b.count_states()
     if num_states > MAX_NFA_STATES:
         raise GrammarError(f"the grammar is too large ({num_states:,} automaton states; the limit is "

@@ -4,6 +4,7 @@ on), or a hand-made grammar's plain lists. Pure Python, no torch."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import ne, or_
 
 # A virtual span: (first, stride, count, template, lo, hi). States first .. first + count * stride - 1 are `count`
 # copies of the `stride` states from `template` on, copy k moved (k + 1) * stride on: each edge's target
@@ -108,16 +109,25 @@ def has_edges(a, b) -> list[bool]:
     template)."""
     if not (isinstance(a, PackedRows) and isinstance(b, PackedRows)):
         return [bool(a[s] or b[s]) for s in range(len(a))]  # plain lists have no virtual states
-    # the states outside the virtual spans alone (the spans are filled from their templates below): 1,352 of
-    # nested20's 12,772, where a pass over all of them was most of a new grammar's Automaton
-    ao, bo = a.offsets, b.offsets
+    # The states outside the virtual spans alone (the spans are filled from their templates below): 1,352 of
+    # nested20's 12,772, where a pass over all of them was most of a new grammar's Automaton. Compared by C-level
+    # maps, and b's offsets not at all when b has no edge (a schema's token edges): a comprehension over the four
+    # offsets zipped was still half of GrammarRuntime's making.
+    ao, bo = a.offsets, (b.offsets if len(b.flat) else None)
     out = [False] * len(a)
     at = 0
     for begin, end in sorted((first, first + count * stride) for first, stride, count, _, _, _ in a.virtual):
-        out[at:begin] = [x != y or u != w for x, y, u, w in zip(ao[at:begin], ao[at + 1:begin + 1],
-                                                                bo[at:begin], bo[at + 1:begin + 1])]
+        out[at:begin] = _any_edge(ao, bo, at, begin)
         at = end
-    out[at:] = [x != y or u != w for x, y, u, w in zip(ao[at:], ao[at + 1:], bo[at:], bo[at + 1:])]
+    out[at:] = _any_edge(ao, bo, at, len(a))
     for first, stride, count, template, _, _ in a.virtual:
         out[first:first + count * stride] = out[template:template + stride] * count
     return out
+
+
+def _any_edge(ao: Sequence[int], bo: Sequence[int] | None, begin: int, end: int) -> list[bool]:
+    """Per state of begin .. end - 1: whether its offsets in ao (or in bo) say it has an edge."""
+    found = map(ne, ao[begin:end], ao[begin + 1:end + 1])
+    if bo is not None:
+        found = map(or_, found, map(ne, bo[begin:end], bo[begin + 1:end + 1]))
+    return list(found)
