@@ -154,7 +154,7 @@ def seq(*items: Node) -> Node:
     """The items in a row, flattened, literals next to each other joined. Every Seq is made here, so its items are
     flat already: none is a Seq or an empty literal, and no two literals are adjacent. An item that is a Seq can
     only join a neighbour by a literal at either end, and its middle is copied whole: copying it item by item was
-    most of a schema's IR time, its objects nested in members nested in objects."""
+    the top of a schema's IR profile, its objects nested in members nested in objects."""
     flat: list[Node] = []
     run: list[Bytes] = []  # adjacent literals, joined once: merging them pairwise was quadratic in a long literal
     for item in items:
