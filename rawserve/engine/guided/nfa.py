@@ -323,22 +323,23 @@ class _Builder:
         hit = memo.get(key)
         if hit is not None:
             return hit
-        if isinstance(node, Bytes):
+        kind = type(node)  # not isinstance: a build dispatches per node, and the calls added up
+        if kind is Bytes:
             n = max(0, len(node.data) - 1)
-        elif isinstance(node, (ByteSet, Token)):
+        elif kind is ByteSet or kind is Token:
             n = 0
-        elif isinstance(node, Seq):
+        elif kind is Seq:
             n = len(node.items) - 1 + sum(self._count(item, memo, called, seen) for item in node.items)
-        elif isinstance(node, Alt):
+        elif kind is Alt:
             n = sum(self._count(item, memo, called, seen) for item in node.items)
-        elif isinstance(node, Repeat):
+        elif kind is Repeat:
             inner = self._count(node.item, memo, called, seen)
             n = node.min * (1 + inner)
             if node.max is None:
                 n += 2 + inner
             elif node.max > node.min:
                 n += (node.max - node.min) * (1 + inner)
-        elif isinstance(node, Ref):
+        elif kind is Ref:
             if node.name not in self.grammar.rules:
                 raise GrammarError(f"undefined rule {node.name!r}")
             if self.is_called(node):
@@ -367,34 +368,38 @@ class _Builder:
     def build(self, node: Node, start: int, end: int) -> None:
         """Connect start to end through `node`. Adds no edge into `start` nor out of `end`, so
         alternatives may share both; loops go through fresh states."""
-        if isinstance(node, Bytes):
+        kind = type(node)  # as _count
+        if kind is Bytes:
             data = node.data
             if not data:
                 self.eps[start].append(end)
                 return
             state = start
-            for i, b in enumerate(data):
-                target = end if i == len(data) - 1 else self.new()
+            for b in data[:-1]:
+                target = self.new()
                 self.byte_edges[state] += (b, b, target)
                 state = target
-        elif isinstance(node, ByteSet):
+            self.byte_edges[state] += (data[-1], data[-1], end)
+        elif kind is ByteSet:
             row = self.byte_edges[start]
             for lo, hi in node.ranges:
                 row += (lo, hi, end)
-        elif isinstance(node, Token):
-            self.token_edges[start] += (node.token_id, end)
-        elif isinstance(node, Seq):
+        elif kind is Seq:
             state = start
-            for i, item in enumerate(node.items):
-                target = end if i == len(node.items) - 1 else self.new()
+            items = node.items
+            for item in items[:-1]:
+                target = self.new()
                 self.build(item, state, target)
                 state = target
-        elif isinstance(node, Alt):  # branches share start and end: none adds an edge into one or out of the other
+            self.build(items[-1], state, end)
+        elif kind is Alt:  # branches share start and end: none adds an edge into one or out of the other
             for item in node.items:
                 self.build(item, start, end)
-        elif isinstance(node, Repeat):
+        elif kind is Repeat:
             self._repeat(node, start, end)
-        elif isinstance(node, Ref):
+        elif kind is Token:
+            self.token_edges[start] += (node.token_id, end)
+        elif kind is Ref:
             if node.name not in self.grammar.rules:
                 raise GrammarError(f"undefined rule {node.name!r}")
             if self.is_called(node):
