@@ -5,7 +5,8 @@ import pytest
 
 from rawserve.engine.guided.gbnf import check_grammar, nullable_rules, parse_gbnf
 from rawserve.engine.guided.grammar import (TOKEN_BASE, Bytes, Grammar, GrammarError, Ref, Repeat, Token,
-                                            accepts, lit, seq, symbols)
+                                            accepts, alt, iter_refs, lit, seq, symbols)
+from rawserve.engine.guided.nfa import compile_grammar
 
 ARITHMETIC = r"""
 root ::= expr
@@ -262,6 +263,15 @@ def test_check_grammar_works_on_ir_from_any_front_end() -> None:
         check_grammar(Grammar({"root": seq(Token(3), Ref("root"))}))
     # Repeat with max 0 consumes nothing and enters nothing: no left recursion through it.
     check_grammar(Grammar({"root": seq(Repeat(Ref("root"), 0, 0), lit("a"))}))
+
+
+def test_every_reference_under_a_node_is_found_and_checked() -> None:
+    """iter_refs (read once per compile for the check, the cyclic rules and the inlining) walks sequences,
+    alternations and repeats."""
+    node = seq(Ref("a"), alt(Ref("b"), Repeat(seq(lit("x"), Ref("c")), 0, 3)), Repeat(Ref("d"), 1, None), Token(3))
+    assert sorted(iter_refs(node)) == ["a", "b", "c", "d"] and iter_refs(lit("x")) == []
+    with pytest.raises(GrammarError, match="rule 'root' refers to undefined rule 'z'"):
+        compile_grammar(Grammar({"root": seq(lit("a"), Repeat(alt(lit("b"), Ref("z")), 0, 2))}), "undefined")
 
 
 def test_nullable_rules() -> None:

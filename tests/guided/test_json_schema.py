@@ -449,6 +449,23 @@ def test_recursion_without_a_way_out_is_refused():
         schema_to_grammar(endless)
 
 
+def test_only_a_schema_whose_refs_recurse_has_its_rules_checked(monkeypatch):
+    """check_grammar (can every rule finish, is none left-recursive) runs when a $ref reached a schema still being
+    compiled, the one way a schema's rules can reach themselves; the others, any JSON value's rules among them, are
+    left unchecked, and still compile."""
+    from rawserve.engine.guided import json_schema
+
+    checked = []
+    monkeypatch.setattr(json_schema, "check_grammar", lambda grammar: checked.append(grammar))
+    shared = {"$defs": {"a": {"type": "string"}}, "type": "object",
+              "properties": {"x": {"$ref": "#/$defs/a"}, "y": {"$ref": "#/$defs/a"}, "z": True}}
+    for schema in (TWENTY, WEATHER, ADDRESS, shared, {"type": "array", "items": {}}):
+        schema_to_grammar(schema)
+    assert checked == []
+    schema_to_grammar(TREE)
+    assert len(checked) == 1
+
+
 def test_depth_and_size_limits():
     deep: dict = {"type": "integer"}
     for _ in range(70):

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rawserve.engine.guided.grammar import Alt, ByteSet, Bytes, Grammar, GrammarError, Seq, accepts
+from rawserve.engine.guided.grammar import (EMPTY, Alt, ByteSet, Bytes, Grammar, GrammarError, Ref, Seq, accepts,
+                                            lit, seq)
 from rawserve.engine.guided.regex import parse_regex
 
 
@@ -155,6 +156,20 @@ def test_adjacent_literals_merge_into_one_bytes_node() -> None:
     assert parse_regex(r"ab\.c\u00e9") == Bytes("ab.cé".encode())
     assert parse_regex(r"(?:ab)(cd)") == Bytes(b"abcd")
     assert parse_regex(r"a{3}") == Bytes(b"aaa")
+
+
+def test_sequences_in_a_sequence_are_flattened_and_join_their_neighbours_literals_at_their_ends() -> None:
+    """seq copies a sequence item's middle whole (every Seq is flat already) and joins its end literals with the
+    literals beside it."""
+    x, y, r = ByteSet(((48, 57),)), ByteSet(((97, 122),)), Ref("r")
+    inner = seq(lit("a"), x, lit("b"))
+    assert seq(lit("<"), inner, lit(">")) == Seq((Bytes(b"<a"), x, Bytes(b"b>")))
+    assert seq(inner, seq(lit("c"), y), r, inner) == Seq((Bytes(b"a"), x, Bytes(b"bc"), y, r, Bytes(b"a"), x,
+                                                           Bytes(b"b")))
+    # a literal joined with nothing stays the node it was: a schema's size counts nodes by identity
+    one = lit("q")
+    assert seq(x, one, y).items[1] is one and seq(seq(x, one), y).items[1] is one
+    assert seq(lit(""), x, EMPTY) is x and seq() == EMPTY
 
 
 def test_ascii_class_is_one_byte_set() -> None:

@@ -102,12 +102,13 @@ class Grammar:
     # Bytes allowed between structural tokens are the front end's business; this records what it chose.
     notes: dict[str, str] = field(default_factory=dict)
 
-    def check(self) -> None:
-        """Raise GrammarError for an undefined rule or a missing start rule."""
+    def check(self, refs: dict[str, list[str]] | None = None) -> None:
+        """Raise GrammarError for an undefined rule or a missing start rule. `refs`: each rule's iter_refs, when the
+        caller has them (the NFA builder reads them too)."""
         if self.start not in self.rules:
             raise GrammarError(f"the grammar has no start rule {self.start!r}")
         for name, node in self.rules.items():
-            for ref in iter_refs(node):
+            for ref in iter_refs(node) if refs is None else refs[name]:
                 if ref not in self.rules:
                     raise GrammarError(f"rule {name!r} refers to undefined rule {ref!r}")
 
@@ -124,9 +125,21 @@ def iter_nodes(node: Node):
             stack.append(n.item)
 
 
-def iter_refs(node: Node):
-    """The rule names a node refers to."""
-    return (n.name for n in iter_nodes(node) if isinstance(n, Ref))
+def iter_refs(node: Node) -> list[str]:
+    """The rule names a node refers to, in iter_nodes' order (its walk inlined: through the generator it was most of
+    the NFA build's checks, for a grammar's every node)."""
+    names = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        kind = type(n)
+        if kind is Seq or kind is Alt:
+            stack.extend(n.items)
+        elif kind is Repeat:
+            stack.append(n.item)
+        elif kind is Ref:
+            names.append(n.name)
+    return names
 
 
 def iter_tokens(node: Node):
@@ -138,19 +151,30 @@ def iter_tokens(node: Node):
 
 
 def seq(*items: Node) -> Node:
+    """The items in a row, flattened, literals next to each other joined. Every Seq is made here, so its items are
+    flat already: none is a Seq or an empty literal, and no two literals are adjacent. An item that is a Seq can
+    only join a neighbour by a literal at either end, and its middle is copied whole: copying it item by item was
+    the top of a schema's IR profile, its objects nested in members nested in objects."""
     flat: list[Node] = []
     run: list[Bytes] = []  # adjacent literals, joined once: merging them pairwise was quadratic in a long literal
     for item in items:
-        parts = item.items if isinstance(item, Seq) else (item,)
-        for part in parts:
-            if isinstance(part, Bytes):
-                if part.data:
-                    run.append(part)
-                continue
-            if run:
-                flat.append(run[0] if len(run) == 1 else Bytes(b"".join(b.data for b in run)))
-                run = []
-            flat.append(part)
+        kind = type(item)
+        if kind is Bytes:
+            if item.data:
+                run.append(item)
+            continue
+        parts = item.items if kind is Seq else (item,)
+        if type(parts[0]) is Bytes:  # then parts[1] is not a literal
+            run.append(parts[0])
+            parts = parts[1:]
+        if run:
+            flat.append(run[0] if len(run) == 1 else Bytes(b"".join(b.data for b in run)))
+            run = []
+        if type(parts[-1]) is Bytes:
+            flat.extend(parts[:-1])
+            run.append(parts[-1])
+        else:
+            flat.extend(parts)
     if run:
         flat.append(run[0] if len(run) == 1 else Bytes(b"".join(b.data for b in run)))
     if not flat:

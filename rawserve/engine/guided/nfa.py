@@ -6,17 +6,19 @@ SamplingParams, and run there by `automaton.Automaton`.
 from __future__ import annotations
 
 import gc
+import struct
 import threading
 from array import array
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 from typing import Iterator
 
 from rawserve.engine.guided.gbnf import nullable
 from rawserve.engine.guided.grammar import (Alt, Bytes, ByteSet, Grammar, GrammarError, Node, Ref, Repeat, Seq,
                                             Token, iter_refs)
-from rawserve.engine.guided.nfa_rows import ListRows, PackedRows, Virtual
+from rawserve.engine.guided.nfa_rows import PackedRows, Virtual
 
 MAX_NFA_STATES = 250_000
 # A rule used in more than one place is copied into each only when it is this small; bigger ones are called
@@ -78,15 +80,18 @@ class CompiledGrammar:
     state at first + i * stride is where copy i ends. A thread there behaves as the one a copy later does
     until it nears the run's end, which is what lets the core share a mask's walks along the run.
 
-    virtual: spans of a long run's middle copies that have no rows of their own (nfa_rows.Virtual): the edge
-    lists are then nfa_rows.ListRows, or PackedRows once pickled, which make such a row from the copy it repeats.
+    virtual: spans of a long run's middle copies that have no rows of their own (nfa_rows.Virtual): PackedRows
+    makes such a row from the copy it repeats.
+
+    compile_grammar's edge lists are nfa_rows.PackedRows (a row is a tuple) and is_final is bytes, as a pickle
+    loads them in the core; one made by hand (tests) may hold plain lists, without virtual spans.
     """
     key: str
-    eps: list[list[int]]
-    byte_edges: list[list[tuple[int, int, int]]]
-    token_edges: list[list[tuple[int, int]]]
-    call_edges: list[list[tuple[int, int]]]
-    is_final: list[bool] | bytes  # bytes once unpickled
+    eps: list[list[int]] | PackedRows
+    byte_edges: list[list[tuple[int, int, int]]] | PackedRows
+    token_edges: list[list[tuple[int, int]]] | PackedRows
+    call_edges: list[list[tuple[int, int]]] | PackedRows
+    is_final: list[bool] | bytes
     rule_start: list[int]
     rule_final: list[int]
     start_rule: int
@@ -101,51 +106,98 @@ class CompiledGrammar:
     # Pickled flat: lists of small lists of tuples took 4 s to unpickle for a 120k-state NFA (in the core, in
     # its step). As int arrays they cross the pipe as bytes, and rows are sliced out only when read.
     def __getstate__(self) -> dict:
-        if self._packed is not None:  # unpickled here: send on what came in, without walking the edges again
-            return self._packed
-        state = {"key": self.key, "rule_start": self.rule_start, "rule_final": self.rule_final,
-                 "start_rule": self.start_rule, "is_final": bytes(self.is_final), "repeats": self.repeats,
-                 "virtual": self.virtual}
-        # A virtual span's states have no rows (None), nothing written: their offsets are repeated whole, not
-        # walked state by state (11,420 of nested20's 12,772 states, most of its pickling time).
-        spans = sorted((first, first + count * stride) for first, stride, count, _, _, _ in self.virtual)
-        for name, width in _EDGE_LISTS:
-            offsets = array("i", [0])
-            flat = array("i")
-            rows = getattr(self, name)
-            rows = rows.rows if isinstance(rows, ListRows) else rows
-            at = 0
-            for begin, end in [*spans, (len(rows), len(rows))]:
-                for edges in rows[at:begin]:
-                    if width == 1:
-                        flat.extend(edges)
-                    else:
-                        for edge in edges:
-                            flat.extend(edge)
-                    offsets.append(len(flat))
-                offsets.extend(array("i", [len(flat)]) * (end - begin))
-                at = end
-            state[name] = (offsets, flat)
-        self._packed = state
-        return state
+        if self._packed is None:  # made from lists (tests do): packed as compile_grammar packs its build
+            rows = [[list(row) if width == 1 else list(chain.from_iterable(row)) for row in getattr(self, name)]
+                    for name, width in _EDGE_LISTS]
+            finals = [s for s, final in enumerate(self.is_final) if final]
+            self._packed = _packed_state(self.key, rows, finals, self.rule_start, self.rule_final, self.start_rule,
+                                         self.repeats, self.virtual)
+        return self._packed
 
     def __setstate__(self, state: dict) -> None:
         self._packed = state
         self.key, self.rule_start, self.rule_final = state["key"], state["rule_start"], state["rule_final"]
-        self.start_rule = state["start_rule"]
-        self.repeats = state.get("repeats", [])
-        self.virtual = state.get("virtual", [])
-        # the bytes as they came (0 or 1 per state): a list of 12k bools is a container the collections of the
-        # core's first masks walked item by item
-        self.is_final = state["is_final"]
+        self.start_rule, self.repeats, self.virtual = state["start_rule"], state["repeats"], state["virtual"]
+        n = state["num_states"]
+        # bytes (0 or 1 per state): a list of 12k bools is a container the collections of the core's first masks
+        # walked item by item
+        is_final = bytearray(n)
+        for s in state["finals"]:
+            is_final[s] = 1
+        self.is_final = bytes(is_final)
+        spans = _spans(self.virtual)
         for name, width in _EDGE_LISTS:
-            # the int arrays as they came, not lists: a list of 50k ints is a container every collection walks
-            # while it is young and every full one after, for as long as the core keeps the grammar
-            offsets, flat = state[name]
+            # the int arrays, not lists: a list of 50k ints is a container every collection walks while it is
+            # young and every full one after, for as long as the core keeps the grammar
+            packed = state[name]
+            if packed is None:
+                offsets, flat = array("H", bytes(2 * (n + 1))), array("H")
+            else:
+                offsets, flat = _spread(packed[0], spans, n), packed[1]
             setattr(self, name, PackedRows(offsets, flat, width, self.virtual))
+
+    @classmethod
+    def from_state(cls, state: dict) -> CompiledGrammar:
+        """The grammar a pickle of `state` loads as (what compile_grammar returns: the core reads the same)."""
+        compiled = cls.__new__(cls)
+        compiled.__setstate__(state)
+        return compiled
 
 
 _EDGE_LISTS = (("eps", 1), ("byte_edges", 3), ("token_edges", 2), ("call_edges", 2))
+
+
+def _spans(virtual: list[Virtual]) -> list[tuple[int, int]]:
+    """The virtual spans' states as sorted [begin, end) ranges."""
+    return sorted((first, first + count * stride) for first, stride, count, _, _, _ in virtual)
+
+
+def _packed_state(key: str, rows: list[list], finals: list[int], rule_start: list[int], rule_final: list[int],
+                  start_rule: int, repeats: list[tuple[int, int, int]], virtual: list[Virtual]) -> dict:
+    """What a CompiledGrammar pickles as, from its edge lists with each state's edges as ints in a row (None in the
+    virtual spans). Per edge list: the offsets of the states outside the virtual spans (11,420 of nested20's 12,772
+    states are in them) and those rows' ints, 16-bit ones when the states are under 65,536, or None when the list
+    has no edge at all (most grammars' token and call edges). Nor is is_final sent, only the states it marks. The
+    offsets of every state, four lists of them, were most of nested20's 243 KB before, and a walk of its rows in
+    Python most of the time it took to pickle: this one iterates in C and packs with struct, where array() parses
+    each int it is given."""
+    spans = _spans(virtual)
+    n = len(rows[0])
+    outside = [(0, n)] if not spans else [
+        (begin, end) for begin, end in zip([0] + [end for _, end in spans], [begin for begin, _ in spans] + [n])]
+    state = {"key": key, "num_states": n, "finals": finals, "rule_start": rule_start, "rule_final": rule_final,
+             "start_rule": start_rule, "repeats": repeats, "virtual": virtual}
+    small = n < 1 << 16  # states, bytes and rule indices fit 16 bits; a token id may not
+    for (name, _), lists in zip(_EDGE_LISTS, rows):
+        built = list(chain.from_iterable(lists[begin:end] for begin, end in outside))
+        ints = tuple(chain.from_iterable(built))
+        if not ints:
+            state[name] = None
+            continue
+        offsets = tuple(accumulate(map(len, built), initial=0))
+        state[name] = (_ints("H" if len(ints) < 1 << 16 else "i", offsets),
+                       _ints("H" if small and name != "token_edges" else "i", ints))
+    return state
+
+
+def _ints(typecode: str, ints: tuple[int, ...]) -> array:
+    return array(typecode, struct.pack(f"{len(ints)}{typecode}", *ints))
+
+
+def _spread(offsets: array, spans: list[tuple[int, int]], n: int) -> array:
+    """Packed offsets (the states outside the spans) -> one per state: a span's states repeat the offset of the
+    state after it, as if their rows were empty (they are never read: PackedRows makes them from their
+    templates)."""
+    out = array(offsets.typecode)
+    at = skipped = 0
+    for begin, end in spans:
+        k = begin - skipped
+        out += offsets[at:k]
+        out += array(offsets.typecode, offsets[k:k + 1]) * (end - begin)
+        at, skipped = k, skipped + end - begin
+    out += offsets[at:]
+    assert len(out) == n + 1, "the packed offsets do not cover the grammar's states"
+    return out
 
 
 def _cyclic_rules(refs: dict[str, list[str]]) -> set[str]:
@@ -198,14 +250,14 @@ def _cyclic_rules(refs: dict[str, list[str]]) -> set[str]:
 
 
 class _Builder:
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, refs: dict[str, list[str]]) -> None:
         self.grammar = grammar
+        # per state its edges' ints in a row (lo, hi, target, lo, ...), as they are packed: a list of tuples took a
+        # second level of iteration to flatten
         self.eps: list[list[int]] = []
-        self.byte_edges: list[list[tuple[int, int, int]]] = []
-        self.token_edges: list[list[tuple[int, int]]] = []
-        self.call_edges: list[list[tuple[int, int]]] = []
-        # each rule's references, read once (a walk of its whole body) for both uses
-        refs = {name: list(iter_refs(node)) for name, node in grammar.rules.items()}
+        self.byte_edges: list[list[int]] = []
+        self.token_edges: list[list[int]] = []
+        self.call_edges: list[list[int]] = []
         self.cyclic = _cyclic_rules(refs)
         self.num_uses = Counter(r for names in refs.values() for r in names)
         self.sizes: dict[str, int] = {}
@@ -271,22 +323,23 @@ class _Builder:
         hit = memo.get(key)
         if hit is not None:
             return hit
-        if isinstance(node, Bytes):
+        kind = type(node)  # not isinstance: a build dispatches per node, and the calls added up
+        if kind is Bytes:
             n = max(0, len(node.data) - 1)
-        elif isinstance(node, (ByteSet, Token)):
+        elif kind is ByteSet or kind is Token:
             n = 0
-        elif isinstance(node, Seq):
+        elif kind is Seq:
             n = len(node.items) - 1 + sum(self._count(item, memo, called, seen) for item in node.items)
-        elif isinstance(node, Alt):
+        elif kind is Alt:
             n = sum(self._count(item, memo, called, seen) for item in node.items)
-        elif isinstance(node, Repeat):
+        elif kind is Repeat:
             inner = self._count(node.item, memo, called, seen)
             n = node.min * (1 + inner)
             if node.max is None:
                 n += 2 + inner
             elif node.max > node.min:
                 n += (node.max - node.min) * (1 + inner)
-        elif isinstance(node, Ref):
+        elif kind is Ref:
             if node.name not in self.grammar.rules:
                 raise GrammarError(f"undefined rule {node.name!r}")
             if self.is_called(node):
@@ -315,37 +368,42 @@ class _Builder:
     def build(self, node: Node, start: int, end: int) -> None:
         """Connect start to end through `node`. Adds no edge into `start` nor out of `end`, so
         alternatives may share both; loops go through fresh states."""
-        if isinstance(node, Bytes):
+        kind = type(node)  # as _count
+        if kind is Bytes:
             data = node.data
             if not data:
                 self.eps[start].append(end)
                 return
             state = start
-            for i, b in enumerate(data):
-                target = end if i == len(data) - 1 else self.new()
-                self.byte_edges[state].append((b, b, target))
+            for b in data[:-1]:
+                target = self.new()
+                self.byte_edges[state] += (b, b, target)
                 state = target
-        elif isinstance(node, ByteSet):
+            self.byte_edges[state] += (data[-1], data[-1], end)
+        elif kind is ByteSet:
+            row = self.byte_edges[start]
             for lo, hi in node.ranges:
-                self.byte_edges[start].append((lo, hi, end))
-        elif isinstance(node, Token):
-            self.token_edges[start].append((node.token_id, end))
-        elif isinstance(node, Seq):
+                row += (lo, hi, end)
+        elif kind is Seq:
             state = start
-            for i, item in enumerate(node.items):
-                target = end if i == len(node.items) - 1 else self.new()
+            items = node.items
+            for item in items[:-1]:
+                target = self.new()
                 self.build(item, state, target)
                 state = target
-        elif isinstance(node, Alt):  # branches share start and end: none adds an edge into one or out of the other
+            self.build(items[-1], state, end)
+        elif kind is Alt:  # branches share start and end: none adds an edge into one or out of the other
             for item in node.items:
                 self.build(item, start, end)
-        elif isinstance(node, Repeat):
+        elif kind is Repeat:
             self._repeat(node, start, end)
-        elif isinstance(node, Ref):
+        elif kind is Token:
+            self.token_edges[start] += (node.token_id, end)
+        elif kind is Ref:
             if node.name not in self.grammar.rules:
                 raise GrammarError(f"undefined rule {node.name!r}")
             if self.is_called(node):
-                self.call_edges[start].append((self.rule(node.name), end))
+                self.call_edges[start] += (self.rule(node.name), end)
             else:
                 self.build(self.grammar.rules[node.name], start, end)
         else:
@@ -426,8 +484,10 @@ def compile_grammar(grammar: Grammar, key: str) -> CompiledGrammar:
 
 
 def _compile(grammar: Grammar, key: str) -> CompiledGrammar:
-    grammar.check()
-    b = _Builder(grammar)
+    # each rule's references, read once (a walk of its whole body) for the check and the builder's two uses
+    refs = {name: iter_refs(node) for name, node in grammar.rules.items()}
+    grammar.check(refs)
+    b = _Builder(grammar, refs)
     num_states = b.count_states()
     if num_states > MAX_NFA_STATES:
         raise GrammarError(f"the grammar is too large ({num_states:,} automaton states; the limit is "
@@ -438,10 +498,8 @@ def _compile(grammar: Grammar, key: str) -> CompiledGrammar:
         index = b.rule_index[name]
         b.build(grammar.rules[name], b.rule_start[index], b.rule_final[index])
     assert len(b.eps) == num_states, "count_states() and build() disagree"
-    is_final = [False] * len(b.eps)
-    for f in b.rule_final:
-        is_final[f] = True
-    rows = [b.eps, b.byte_edges, b.token_edges, b.call_edges]
-    if b.virtual:
-        rows = [ListRows(r, width, b.virtual) for r, (_, width) in zip(rows, _EDGE_LISTS)]
-    return CompiledGrammar(key, *rows, is_final, b.rule_start, b.rule_final, start_rule, b.repeats, b.virtual)
+    # packed here, while the collector is paused: the builder's lists die with it, where kept they were ~6,000
+    # young containers for the first collection after the pause to walk (nested20: ~1 ms), and the next ones
+    state = _packed_state(key, [b.eps, b.byte_edges, b.token_edges, b.call_edges], b.rule_final, b.rule_start,
+                          b.rule_final, start_rule, b.repeats, b.virtual)
+    return CompiledGrammar.from_state(state)

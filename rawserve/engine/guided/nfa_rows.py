@@ -1,10 +1,11 @@
-"""A CompiledGrammar's per-state edge lists as the automaton reads them: the builder's lists, or flat ints after a
-pickle round trip, either with the middle copies of a long repeat run left virtual (read off one built copy
-moved on). Pure Python, no torch."""
+"""A CompiledGrammar's per-state edge lists as the automaton reads them: flat ints (as compile_grammar packs them and
+a pickle carries them), with the middle copies of a long repeat run left virtual (read off one built copy moved
+on), or a hand-made grammar's plain lists. Pure Python, no torch."""
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from operator import ne, or_
 
 # A virtual span: (first, stride, count, template, lo, hi). States first .. first + count * stride - 1 are `count`
 # copies of the `stride` states from `template` on, copy k moved (k + 1) * stride on: each edge's target
@@ -30,42 +31,6 @@ def _moved(row: list, width: int, shift: int, lo: int, hi: int) -> list:
     if width == 1:
         return [t + shift if lo <= t < hi else t for t in row]
     return [(*edge[:-1], edge[-1] + shift) if lo <= edge[-1] < hi else edge for edge in row]
-
-
-class ListRows:
-    """The builder's lists, None at virtual states: rows[s] is state s's list, a virtual one made on first read
-    (and kept apart, so the lists keep None where a pickle writes nothing)."""
-
-    __slots__ = ("rows", "width", "virtual", "_firsts", "_made")
-
-    def __init__(self, rows: list, width: int, virtual: list[Virtual]) -> None:
-        self.rows, self.width, self.virtual = rows, width, sorted(virtual)
-        self._firsts = tuple(span[0] for span in self.virtual)
-        self._made: dict[int, list] = {}
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, s: int) -> list:
-        row = self.rows[s]
-        if row is not None:
-            return row
-        row = self._made.get(s)
-        if row is None:
-            src, shift, lo, hi = _source(self.virtual, self._firsts, s)
-            row = self._made[s] = _moved(self[src], self.width, shift, lo, hi)
-        return row
-
-    def __iter__(self):
-        return (self[s] for s in range(len(self)))
-
-    def reader(self) -> Callable[[int], list | None]:
-        """A C-level s -> row, None where rows[s] must be asked (a virtual state): see PackedRows.reader."""
-        return self.rows.__getitem__
-
-    def is_empty(self, s: int) -> bool:
-        """Whether state s has no edges here (see PackedRows.is_empty)."""
-        return not self[s]
 
 
 class PackedRows:
@@ -130,8 +95,7 @@ class PackedRows:
 
 
 def row_reader(rows) -> Callable[[int], Sequence | None]:
-    """A C-level s -> row for any edge lists (the builder's plain lists, ListRows, PackedRows); None where rows[s]
-    must be asked instead."""
+    """A C-level s -> row for any edge lists (plain lists, PackedRows); None where rows[s] must be asked instead."""
     return rows.__getitem__ if isinstance(rows, list) else rows.reader()
 
 
@@ -144,27 +108,33 @@ def has_any_edge(rows) -> bool:
     """Whether any state has an edge in these edge lists (a virtual state's are its template's)."""
     if isinstance(rows, PackedRows):
         return len(rows.flat) > 0
-    return any(rows.rows if isinstance(rows, ListRows) else rows)
+    return any(rows)
 
 
 def has_edges(a, b) -> list[bool]:
     """Per state: any edge in a or b (from the offsets alone when the lists are flat; a virtual state as its
     template)."""
-    if isinstance(a, PackedRows) and isinstance(b, PackedRows):
-        # the states outside the virtual spans alone (the spans are filled from their templates below): 1,352 of
-        # nested20's 12,772, where a pass over all of them was most of a new grammar's Automaton
-        ao, bo = a.offsets, b.offsets
-        out = [False] * len(a)
-        at = 0
-        for begin, end in sorted((first, first + count * stride) for first, stride, count, _, _, _ in a.virtual):
-            out[at:begin] = [x != y or u != w for x, y, u, w in zip(ao[at:begin], ao[at + 1:begin + 1],
-                                                                    bo[at:begin], bo[at + 1:begin + 1])]
-            at = end
-        out[at:] = [x != y or u != w for x, y, u, w in zip(ao[at:], ao[at + 1:], bo[at:], bo[at + 1:])]
-    elif isinstance(a, ListRows) and isinstance(b, ListRows):
-        out = [bool(x or y) for x, y in zip(a.rows, b.rows)]
-    else:
-        return [bool(a[s] or b[s]) for s in range(len(a))]
+    if not (isinstance(a, PackedRows) and isinstance(b, PackedRows)):
+        return [bool(a[s] or b[s]) for s in range(len(a))]  # plain lists have no virtual states
+    # The states outside the virtual spans alone (the spans are filled from their templates below): 1,352 of
+    # nested20's 12,772, where a pass over all of them was most of a new grammar's Automaton. Compared by C-level
+    # maps, and b's offsets not at all when b has no edge (a schema's token edges): a comprehension over the four
+    # offsets zipped was still half of GrammarRuntime's making.
+    ao, bo = a.offsets, (b.offsets if len(b.flat) else None)
+    out = [False] * len(a)
+    at = 0
+    for begin, end in sorted((first, first + count * stride) for first, stride, count, _, _, _ in a.virtual):
+        out[at:begin] = _any_edge(ao, bo, at, begin)
+        at = end
+    out[at:] = _any_edge(ao, bo, at, len(a))
     for first, stride, count, template, _, _ in a.virtual:
         out[first:first + count * stride] = out[template:template + stride] * count
     return out
+
+
+def _any_edge(ao: Sequence[int], bo: Sequence[int] | None, begin: int, end: int) -> list[bool]:
+    """Per state of begin .. end - 1: whether its offsets in ao (or in bo) say it has an edge."""
+    found = map(ne, ao[begin:end], ao[begin + 1:end + 1])
+    if bo is not None:
+        found = map(or_, found, map(ne, bo[begin:end], bo[begin + 1:end + 1]))
+    return list(found)
