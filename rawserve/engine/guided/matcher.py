@@ -23,7 +23,7 @@ from rawserve.engine.guided.lexemes import LexemeWalk, StringLexeme, prepare_str
 from rawserve.engine.guided.mask_worker import MaskWorker
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.plain_walk import PlainWalk
-from rawserve.engine.guided.token_mask import TokenMask, id_tensor
+from rawserve.engine.guided.token_mask import SHORT_MAX_IDS, TokenMask, id_tensor
 from rawserve.engine.guided.vocab import VocabIndex
 
 log = logging.getLogger("rawserve.engine.guided")
@@ -170,7 +170,7 @@ class GrammarRuntime:
         if mask is None:
             mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid], lexeme)
             self._shared[key] = mask
-            self._cache_bytes += mask.ids.nbytes
+            self._cache_bytes += mask.nbytes
         self._masks[cid] = mask
         self.num_masks_built += 1
         self.mask_build_s += time.perf_counter() - began
@@ -436,8 +436,10 @@ class GrammarRuntime:
             return mask
         dups = self.vocab.dups_of()
         ids = sorted({*allowed, *(d for t in allowed if t in dups for d in dups[t])} if dups else allowed)
-        tensor = id_tensor(ids)
-        mask = TokenMask(True, self._placed(tensor), len(ids), accepting)
+        if self._is_cpu and len(ids) <= SHORT_MAX_IDS:
+            mask = TokenMask.short(ids, accepting)
+        else:
+            mask = TokenMask(True, self._placed(id_tensor(ids)), len(ids), accepting)
         return self._shared_masks.put(key, mask, sys.getsizeof(allowed))
 
     def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],

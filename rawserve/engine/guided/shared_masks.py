@@ -51,7 +51,7 @@ class SharedMasks:
     def put(self, key: tuple, mask: TokenMask, key_bytes: int) -> TokenMask:
         """Keep `mask` under `key` (whose ids take key_bytes) -> the mask kept: another thread's, when it put one
         first, so equal masks stay one object."""
-        nbytes = mask.ids.numel() * mask.ids.element_size() + key_bytes + ENTRY_OVERHEAD_BYTES
+        nbytes = mask.nbytes + key_bytes + ENTRY_OVERHEAD_BYTES
         if nbytes > self.max_bytes:
             return mask
         with self._lock:
