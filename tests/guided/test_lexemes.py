@@ -215,6 +215,8 @@ def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_plac
     tail = runtime._tail
     assert lexeme.num_counted >= 12 and lexeme.num_counted_proven <= 4 + tail.num_proven, (
         lexeme.num_counted, lexeme.num_counted_proven, tail.num_proven)
+    # inside its characters (`中`, `😀`, `\u00e9` cut after each byte) too, matched at the boundary they lead to
+    assert lexeme.num_counted_inside >= 12, lexeme.num_counted_inside
     # the run's last places take the lexeme's tokens by count, proven by shifting but for the last (per string: it
     # and the string's first place, before the run, are paired on their own)
     num_strings = 2 if shape == "in_array" else 1

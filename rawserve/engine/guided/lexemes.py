@@ -368,6 +368,7 @@ class LexemeWalk:
         # does with the next character leading one copy on
         self._counted: dict[tuple, tuple[int, int, int]] = {}
         self.num_counted = 0  # configurations matched as a place of a counted string
+        self.num_counted_inside = 0  # ... and inside a character or an escape there (_match_inside_counted)
         self.num_counted_proven = 0  # the pairings that took
         self._counted_run: dict[int, int] = {}  # a counted place matched with room -> its run
         # a run's first place -> the pairing of the string's first place (before the run) that led into it: (that
@@ -449,8 +450,54 @@ class LexemeWalk:
             if close is not None:
                 result = (lexer.start, close)
                 self.num_counted += 1
+        elif result is None:
+            for state in alike:
+                close = self._match_inside_counted(cid, state)
+                if close is not None:
+                    result = (state, close)
+                    self.num_counted_inside += 1
+                    break
         self._matched[cid] = result
         return result
+
+    def _match_inside_counted(self, cid: int, state: int) -> int | None:
+        """The configuration after the closing quote when cid is inside a character or an escape (lexer state
+        `state`, not the start) of a counted string's place that the lexeme takes (match: with room for every token):
+        the character's rest leads, run of bytes by run, as the lexer's does to one configuration at the next
+        character boundary, matched there. Else None. A token from cid ends its character, then moves as from that
+        boundary, so its mask is the lexeme's from `state`. Why: inside a 4-byte emoji, nested20's gift message
+        (maxLength 200) refused every pairing and took the wide plain walk, two of each round's largest cold masks."""
+        a = self.automaton
+        lexer = string_lexer()
+        kind, segments, start = a.kind, lexer.segments, lexer.start
+        paired = {state: cid}
+        work = [(cid, state)]
+        boundary = DEAD
+        while work:
+            g, at = work.pop()
+            if kind[g] != 1:
+                return None
+            moves = _config_moves(a, g, segments[at])
+            if moves is None:
+                return None
+            for nxt, nxt_state in moves:
+                if nxt_state == start:  # the character ends: every byte that ends it at one place
+                    if boundary not in (DEAD, nxt):
+                        return None
+                    boundary = nxt
+                elif nxt_state == lexer.close:  # not inside a character; an escape's quote is the start's
+                    return None
+                else:
+                    known = paired.get(nxt_state)
+                    if known is None:
+                        paired[nxt_state] = nxt
+                        work.append((nxt, nxt_state))
+                    elif known != nxt:
+                        return None
+        if boundary == DEAD:
+            return None
+        matched = self.match(boundary)
+        return matched[1] if matched is not None and matched[0] == start else None
 
     def _match_counted(self, cid: int) -> int | None:
         """The configuration after the closing quote, when cid is a place of a counted string (maxLength: a run
