@@ -57,3 +57,22 @@ def test_a_rule_end_that_also_consumes_returns_to_its_caller(packed):
     automaton = Automaton(compiled)
     for text, ok in [(b"ac", True), (b"abbc", True), (b"a", False), (b"abb", False), (b"c", False), (b"acb", False)]:
         assert automaton.matches(text) == ok, text
+
+
+COUNTED = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 80},
+                                           "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 40}}}
+
+
+@pytest.mark.parametrize("name,schema", [(c[0], c[1]) for c in CORPUS] + [("counted", COUNTED)],
+                         ids=[c[0] for c in CORPUS] + ["counted"])
+def test_plain_flags_agree_with_each_state_s_edges(name, schema):
+    """plain_flags works every state out at once, from the edge offsets and copied along virtual spans: it must say
+    what each state's own rows say (packed and pickled, as the core gets them, and as compile_grammar made them)."""
+    compiled = compile_grammar(schema_to_grammar(schema), name)
+    assert compiled.virtual or name != "counted"  # long runs' middle copies are virtual
+    for g in (pickle.loads(pickle.dumps(compiled)), compiled):
+        flags = Automaton(g)._plain
+        assert len(flags) == g.num_states + 1 and flags[g.num_states] == 1
+        for s in range(g.num_states):
+            plain = (g.byte_edges[s] or g.token_edges[s]) and not (g.eps[s] or g.call_edges[s] or g.is_final[s])
+            assert flags[s] == (1 if plain else 2), (name, s)

@@ -8,7 +8,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.nfa_rows import has_any_edge, has_edges, is_empty_reader, row_reader
+from rawserve.engine.guided.nfa_rows import has_any_edge, has_edges, row_reader
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
 DEAD = 0  # configuration id of the empty set: no thread survives
@@ -17,6 +17,18 @@ DEAD = 0  # configuration id of the empty set: no thread survives
 # tuple of ints is untracked at its first collection.
 UNEXPANDED = (-1,) * 256
 DEAD_ROW = (DEAD,) * 256
+
+
+def plain_flags(g: CompiledGrammar, consuming: bytes) -> bytearray:
+    """Per state (and MARK, last): 1 where it consumes and has no epsilon move, call or rule end, else 2. All states
+    at once, each flag a byte of a big int: worked out state by state on first use it was ~1,300 calls a later cold
+    pass of nested20, each reading two edge lists' offsets (a virtual state's through its span)."""
+    n = g.num_states
+    ones = int.from_bytes(b"\x01" * n, "little")
+    moves = int.from_bytes(bytes(has_edges(g.eps, g.call_edges)), "little")
+    final = int.from_bytes(bytes(g.is_final), "little")
+    plain = int.from_bytes(consuming[:n], "little") & ~(moves | final) & ones
+    return bytearray((2 * ones - plain).to_bytes(n, "little")) + b"\x01"  # MARK: any byte, forever
 
 
 def row_alive_runs(row: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -51,13 +63,10 @@ class Automaton:
         # 1 per state with a byte or token edge (MARK too): bytes, not a list of bools, which the garbage collector
         # walks item by item (12k for nested20) in the collections a new grammar's first masks run
         self.consuming = bytes(has_edges(g.byte_edges, g.token_edges) + [True])
-        # per state, worked out on first use: 1 where a thread's closure is itself (it consumes, and has no epsilon
-        # move, call or rule end), 2 where not, 0 not known yet. Most threads a byte moves are so (a string
-        # character's inner states, a key's letters): their closure is made without the work loop, which a cold
-        # pass ran ~200 times a mask in a counted string's pairings (the largest cold mask's main cost)
-        self._plain = bytearray(n + 1)
-        self._plain[n] = 1  # MARK: any byte, forever
-        self._no_eps, self._no_calls = is_empty_reader(g.eps), is_empty_reader(g.call_edges)
+        # per state: 1 where a thread's closure is itself (it consumes, and has no epsilon move, call or rule end),
+        # else 2. Most threads a byte moves are so (a string character's inner states, a key's letters): their closure
+        # is made without the work loop, which a cold pass ran ~200 times a mask in a counted string's pairings
+        self._plain = plain_flags(g, self.consuming)
         # C-level s -> row readers, made once: a closure, an expansion and a special-token step each made theirs per
         # call (7,600 in nested20's first pass)
         self._read_eps, self._read_calls = row_reader(g.eps), row_reader(g.call_edges)
@@ -148,7 +157,7 @@ class Automaton:
     def _closure(self, threads: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
         plain = self._plain
         for s, _ in threads:
-            if (plain[s] or self._is_plain(s)) != 1:
+            if plain[s] != 1:
                 break
         else:  # every thread only consumes: the closure is the threads
             return frozenset(threads)
@@ -185,12 +194,6 @@ class Automaton:
                     ret, parent, _ = self.stacks[sid]
                     work.append((ret, parent))
         return frozenset(out)
-
-    def _is_plain(self, s: int) -> int:
-        """_plain[s], worked out and kept."""
-        flag = 1 if self.consuming[s] and self._no_eps(s) and self._no_calls(s) and not self.g.is_final[s] else 2
-        self._plain[s] = flag
-        return flag
 
     def _intern(self, threads: frozenset[tuple[int, int]]) -> int:
         cid = self._config_ids.get(threads)
@@ -534,7 +537,7 @@ class Automaton:
         edges = self._lone_edges.get(s, False)
         if edges is False:
             edges = None
-            if s != self.mark and (self._plain[s] or self._is_plain(s)) == 1:
+            if s != self.mark and self._plain[s] == 1:
                 row = self._read_bytes(s)
                 if row is None:
                     row = self.g.byte_edges[s]

@@ -81,13 +81,6 @@ class PackedRows:
     def __iter__(self):
         return (self[s] for s in range(len(self)))
 
-    def is_empty(self, s: int) -> bool:
-        """Whether state s has no edges here, read off the offsets (a virtual state as its template): the
-        automaton asks it of every state a closure meets, most of which it never reads the row of."""
-        if self._is_virtual[s]:
-            s = _source(self.virtual, self._firsts, s)[0]
-        return self.offsets[s] == self.offsets[s + 1]
-
     def reader(self) -> Callable[[int], tuple | None]:
         """A C-level s -> row for the rows read before, None where rows[s] must be asked: closures and expansions
         read rows ~14k times in nested20's first pass, ~20 ms of its cProfile as calls of __getitem__."""
@@ -97,11 +90,6 @@ class PackedRows:
 def row_reader(rows) -> Callable[[int], Sequence | None]:
     """A C-level s -> row for any edge lists (plain lists, PackedRows); None where rows[s] must be asked instead."""
     return rows.__getitem__ if isinstance(rows, list) else rows.reader()
-
-
-def is_empty_reader(rows) -> Callable[[int], bool]:
-    """s -> whether rows[s] is empty, for any edge lists (see row_reader)."""
-    return (lambda s: not rows[s]) if isinstance(rows, list) else rows.is_empty
 
 
 def has_any_edge(rows) -> bool:
