@@ -8,7 +8,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 
 from rawserve.engine.guided.nfa import CompiledGrammar
-from rawserve.engine.guided.nfa_rows import has_any_edge, has_edges, row_reader
+from rawserve.engine.guided.nfa_rows import edge_states, has_any_edge, has_edges, row_reader
 
 MAX_STACK_DEPTH = 128  # nested calls of recursive rules (json_object depth, GBNF recursion)
 DEAD = 0  # configuration id of the empty set: no thread survives
@@ -25,7 +25,7 @@ def plain_flags(g: CompiledGrammar, consuming: bytes) -> bytearray:
     pass of nested20, each reading two edge lists' offsets (a virtual state's through its span)."""
     n = g.num_states
     ones = int.from_bytes(b"\x01" * n, "little")
-    moves = int.from_bytes(bytes(has_edges(g.eps, g.call_edges)), "little")
+    moves = int.from_bytes(edge_states(g.eps), "little") | int.from_bytes(edge_states(g.call_edges), "little")
     final = int.from_bytes(bytes(g.is_final), "little")
     plain = int.from_bytes(consuming[:n], "little") & ~(moves | final) & ones
     return bytearray((2 * ones - plain).to_bytes(n, "little")) + b"\x01"  # MARK: any byte, forever
