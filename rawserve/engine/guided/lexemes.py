@@ -469,37 +469,12 @@ class LexemeWalk:
         character boundary, matched there. Else None. A token from cid ends its character, then moves as from that
         boundary, so its mask is the lexeme's from `state`. Why: inside a 4-byte emoji, nested20's gift message
         (maxLength 200) refused every pairing and took the wide plain walk, two of each round's largest cold masks."""
-        a = self.automaton
         lexer = string_lexer()
-        kind, segments, start = a.kind, lexer.segments, lexer.start
-        paired = {state: cid}
-        work = [(cid, state)]
-        boundary = DEAD
-        while work:
-            g, at = work.pop()
-            if kind[g] != 1:
-                return None
-            moves = _config_moves(a, g, segments[at])
-            if moves is None:
-                return None
-            for nxt, nxt_state in moves:
-                if nxt_state == start:  # the character ends: every byte that ends it at one place
-                    if boundary not in (DEAD, nxt):
-                        return None
-                    boundary = nxt
-                elif nxt_state == lexer.close:  # not inside a character; an escape's quote is the start's
-                    return None
-                else:
-                    known = paired.get(nxt_state)
-                    if known is None:
-                        paired[nxt_state] = nxt
-                        work.append((nxt, nxt_state))
-                    elif known != nxt:
-                        return None
-        if boundary == DEAD:
+        walked = self._pair(cid, state, (lexer.start, lexer.close))  # an escape's quote leads to the start
+        if walked is None or lexer.close in walked[1] or lexer.start not in walked[1]:
             return None
-        matched = self.match(boundary)
-        return matched[1] if matched is not None and matched[0] == start else None
+        matched = self.match(walked[1][lexer.start])
+        return matched[1] if matched is not None and matched[0] == lexer.start else None
 
     def _match_counted(self, cid: int) -> int | None:
         """The configuration after the closing quote, when cid is a place of a counted string (maxLength: a run
@@ -599,37 +574,12 @@ class LexemeWalk:
         self.num_counted_proven += 1
         lexer = string_lexer()
         a = self.automaton
-        kind, segments, close_state, start = a.kind, lexer.segments, lexer.close, lexer.start
-        paired = {start: cid}
-        work = [(cid, start)]
-        close = step = DEAD
-        first_moves: list[tuple[int, int]] = []
-        while work:
-            g, state = work.pop()
-            if kind[g] != 1:
-                return None
-            moves = _config_moves(a, g, segments[state])
-            if moves is None:
-                return None
-            if g == cid:
-                first_moves = moves
-            for nxt, nxt_state in moves:
-                if nxt_state == close_state:
-                    if close not in (DEAD, nxt):
-                        return None
-                    close = nxt
-                elif nxt_state == start:  # a character ends: every one at the next place
-                    if step not in (DEAD, nxt):
-                        return None
-                    step = nxt
-                else:
-                    known = paired.get(nxt_state)
-                    if known is None:
-                        paired[nxt_state] = nxt
-                        work.append((nxt, nxt_state))
-                    elif known != nxt:
-                        return None
-        if close == DEAD or step == DEAD or kind[step] != 1:
+        walked = self._pair(cid, lexer.start, (lexer.start, lexer.close))  # a character ends: every one at one place
+        if walked is None:
+            return None
+        paired, reached, first_moves = walked
+        step, close = reached.get(lexer.start, DEAD), reached.get(lexer.close, DEAD)
+        if close == DEAD or step == DEAD or a.kind[step] != 1:
             return None
         if a.shift_key(cid)[1] == -1 and a.shift_key(step)[1] >= 0:  # a string's first place, into its run
             self._led_into[step] = (first_moves, paired, close)
@@ -695,12 +645,29 @@ class LexemeWalk:
         the MARK stack alone, in states other than MARK."""
         self.num_proven += 1
         lexer = string_lexer()
+        walked = self._pair(cid, first, (lexer.close,), is_cut)  # only the start closes, into one configuration
+        if walked is None:
+            return None
+        boundary, close = walked[0].get(lexer.start), walked[1].get(lexer.close)
+        return None if boundary is None or close is None else (boundary, close)
+
+    def _pair(self, cid: int, first: int, exits: tuple[int, ...], is_cut: bool = False
+              ) -> tuple[dict[int, int], dict[int, int], list[tuple[int, int]]] | None:
+        """cid's configurations walked beside the string lexer from its state `first`, run of bytes by run: each lexer
+        state reached pairs with one configuration, of kind 1, that moves as it does. The states of `exits` are not
+        walked on from (but as `first`): each is reached into one configuration. -> (lexer state -> the configuration
+        paired, exit state -> the one it leads to, cid's own moves), or None where the configurations do not move
+        so. With is_cut, every configuration inside has its threads on the MARK stack alone, in states other than
+        MARK, too. What every pairing (_match, pair_counted, _match_inside_counted) walks; each lexer state pairs
+        once, so the work is bounded by the lexer's 36 states."""
+        lexer = string_lexer()
         a = self.automaton
-        kind, segments, close_state = a.kind, lexer.segments, lexer.close
+        kind, segments = a.kind, lexer.segments
         mark, mark_stack, configs = a.mark, a.mark_stack, a.configs
         paired = {first: cid}
+        reached: dict[int, int] = {}
         work = [(cid, first)]
-        close = DEAD
+        first_moves: list[tuple[int, int]] | None = None
         while work:
             g, state = work.pop()
             if kind[g] != 1:
@@ -712,18 +679,20 @@ class LexemeWalk:
             moves = _config_moves(a, g, segments[state])
             if moves is None:
                 return None
+            if first_moves is None:
+                first_moves = moves
             for nxt, nxt_state in moves:
-                if nxt_state == close_state:  # only the start closes, and it pairs with one configuration
-                    close = nxt
+                if nxt_state in exits:
+                    if reached.setdefault(nxt_state, nxt) != nxt:
+                        return None
                     continue
                 known = paired.get(nxt_state)
-                if known is None:  # each lexer state pairs once: the work is bounded by the lexer's 36 states
+                if known is None:
                     paired[nxt_state] = nxt
                     work.append((nxt, nxt_state))
                 elif known != nxt:
                     return None
-        boundary = paired.get(lexer.start)
-        return None if boundary is None or close == DEAD else (boundary, close)
+        return paired, reached, first_moves
 
     def walk(self, cid: int) -> tuple[StringLexeme, list[int], list[int]] | None:
         """(the lexeme, certain, uncertain) for a configuration that matches it: the tokens beyond its inside set
