@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rawserve.engine.guided.automaton import DEAD, UNEXPANDED
-from rawserve.engine.guided.grammar import Grammar, Repeat, alt, lit, seq
+from rawserve.engine.guided.grammar import Grammar, Repeat, alt, byte_set, lit, seq
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.json_strings import CHAR, STRING, STRING_BODY
 from rawserve.engine.guided.counted_tail import counted_tokens
@@ -235,6 +235,20 @@ def test_a_counted_string_with_room_for_every_token_takes_the_lexeme_at_its_plac
                 assert shifted == a.step_bytes(cid, data), (cid, data)
                 num_shifted += 1
     assert num_shifted > 100
+
+
+@pytest.mark.parametrize("count", [None, 3000])
+def test_bare_continuation_bytes_are_refused_not_paired_without_end(vocab, count):
+    """Continuation bytes alone pair with the lexer's states inside a character, and each one's end leads back to
+    the same place (unbounded) or to the next of 3,000: asked as a character's end, a place is not paired inside a
+    character again, where it asked the next without end (a RecursionError). Masks stay exact."""
+    body = Repeat(byte_set([(0x80, 0xBF)]), count or 0, count)
+    runtime = GrammarRuntime(compile_grammar(Grammar({"root": body}), f"continuation-{count}"), vocab)
+    a = runtime.automaton
+    cid = a.start
+    for _ in range(4):
+        assert torch.equal(runtime.mask(cid).allowed(vocab.vocab_size), brute_mask(a, vocab, cid))
+        cid = a.step_bytes(cid, b"\x80")
 
 
 @pytest.mark.parametrize("text", ["ab\\n中é", '"x'])

@@ -382,7 +382,7 @@ class LexemeWalk:
         self._closes.clear()
         self.cache_bytes = 0
 
-    def match(self, cid: int) -> tuple[int, int] | None:
+    def match(self, cid: int, inside: bool = True) -> tuple[int, int] | None:
         """(lexer state, the configuration a closing quote leads to) when cid moves, byte for byte, as the string
         lexer does from that state (same bytes alive, runs alike, every configuration inside kind 1, the quote
         closing into that one configuration); else None. Each lexer state pairs with one configuration, so a
@@ -393,7 +393,7 @@ class LexemeWalk:
         (Automaton.truncate(cid, 0)), which every string of that rule shares at any depth, provided no
         configuration inside pushes or pops (each keeps the one MARK stack): cid's own configurations inside are
         then those with the MARK frame read as cid's stack (Automaton.restack), and only the quote's step is
-        cid's own."""
+        cid's own. With `inside` False a pairing inside a character (_match_inside_counted) is not looked for."""
         if cid in self._matched:
             return self._matched[cid]
         a = self.automaton
@@ -453,6 +453,10 @@ class LexemeWalk:
                 result = (lexer.start, close)
                 self.num_counted += 1
         elif result is None:
+            # a character's end asks (_match_inside_counted): only a pairing with the start serves it; not kept, as
+            # cid's own ask may still pair inside a character
+            if not inside:
+                return None
             for state in alike:
                 close = self._match_inside_counted(cid, state)
                 if close is not None:
@@ -473,7 +477,8 @@ class LexemeWalk:
         walked = self._pair(cid, state, (lexer.start, lexer.close))  # an escape's quote leads to the start
         if walked is None or lexer.close in walked[1] or lexer.start not in walked[1]:
             return None
-        matched = self.match(walked[1][lexer.start])
+        # not inside a character again: a chain of such pairings (`[\x80-\xbf]{3000}`) would recurse once a byte
+        matched = self.match(walked[1][lexer.start], inside=False)
         return matched[1] if matched is not None and matched[0] == lexer.start else None
 
     def _match_counted(self, cid: int) -> int | None:
