@@ -39,12 +39,10 @@ def test_schema_automaton_equals_reference(name, schema, valid, invalid):
     assert not any_object.matches(json.dumps([1]).encode())
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_rule_end_that_also_consumes_returns_to_its_caller(packed):
-    """A closure made without its work loop (a thread that only consumes) must not take a called rule's final state
-    for one: root calls r, then takes `c`; r is `a` then `b`*, its final state looping on `b`. After `a` the
-    configuration holds both r's final state and the return to `c`."""
-    compiled = CompiledGrammar(
+def final_consumes() -> CompiledGrammar:
+    """root calls r, then takes `c`; r is `a` then `b`*, its final state looping on `b` (state 4 consumes and ends
+    a rule)."""
+    return CompiledGrammar(
         "final-consumes",
         eps=[[], [], [], [], []],
         byte_edges=[[], [(0x63, 0x63, 2)], [], [(0x61, 0x61, 4)], [(0x62, 0x62, 4)]],
@@ -52,6 +50,14 @@ def test_a_rule_end_that_also_consumes_returns_to_its_caller(packed):
         call_edges=[[(1, 1)], [], [], [], []],
         is_final=[False, False, True, False, True],
         rule_start=[0, 3], rule_final=[2, 4], start_rule=0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_rule_end_that_also_consumes_returns_to_its_caller(packed):
+    """A closure made without its work loop (a thread that only consumes) must not take a called rule's final state
+    for one: root calls r, then takes `c`; r is `a` then `b`*, its final state looping on `b`. After `a` the
+    configuration holds both r's final state and the return to `c`."""
+    compiled = final_consumes()
     if packed:
         compiled = pickle.loads(pickle.dumps(compiled))
     automaton = Automaton(compiled)
@@ -63,12 +69,13 @@ COUNTED = {"type": "object", "properties": {"name": {"type": "string", "maxLengt
                                            "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 40}}}
 
 
-@pytest.mark.parametrize("name,schema", [(c[0], c[1]) for c in CORPUS] + [("counted", COUNTED)],
-                         ids=[c[0] for c in CORPUS] + ["counted"])
+@pytest.mark.parametrize("name,schema", [(c[0], c[1]) for c in CORPUS] + [("counted", COUNTED), ("final", None)],
+                         ids=[c[0] for c in CORPUS] + ["counted", "final_consumes"])
 def test_plain_flags_agree_with_each_state_s_edges(name, schema):
     """plain_flags works every state out at once, from the edge offsets and copied along virtual spans: it must say
-    what each state's own rows say (packed and pickled, as the core gets them, and as compile_grammar made them)."""
-    compiled = compile_grammar(schema_to_grammar(schema), name)
+    what each state's own rows say (packed and pickled, as the core gets them, and as made): a schema's, with virtual
+    spans, and a hand-made grammar whose rule end consumes (no schema's does)."""
+    compiled = final_consumes() if schema is None else compile_grammar(schema_to_grammar(schema), name)
     assert compiled.virtual or name != "counted"  # long runs' middle copies are virtual
     for g in (pickle.loads(pickle.dumps(compiled)), compiled):
         flags = Automaton(g)._plain
