@@ -121,6 +121,19 @@ def _config_moves(a: Automaton, cid: int, segments: list[tuple[int, int, int]]) 
 _LEXER: StringLexer | None = None
 
 
+def pairing_cut(a: Automaton, cid: int) -> tuple[int, int]:
+    """(the stack all of cid's threads share, -1 if they do not; the configuration LexemeWalk.match pairs with the
+    lexer in cid's stead): cid cut to no frames over a MARK frame (Automaton.truncate(cid, 0)) when its threads share a
+    stack, which every string of a rule shares at any depth; else, and at the top level (the empty stack), cid itself,
+    whose pairing match keeps under its threads put on the MARK stack: the cut of the rule's deeper strings."""
+    threads = a.configs[cid]
+    stacks = {sid for _, sid in threads}
+    if len(stacks) != 1:
+        return -1, cid
+    stack = next(iter(stacks))
+    return stack, (a.truncate(cid, 0) if stack else cid)
+
+
 def string_lexer() -> StringLexer:
     """The process's StringLexer (it depends on no vocabulary), made on first use."""
     global _LEXER
@@ -363,6 +376,7 @@ class LexemeWalk:
         self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self.cache_bytes = 0
         self.num_proven = 0  # pairings run, apart from the ones kept
+        self.num_paired = 0  # ... and of those, the ones that took
         # counted strings: a place's shift key -> (its lowest copy, the fewest copies any configuration of its
         # pairing had to spare, the configuration after the quote), for places proven to move as the lexer's start
         # does with the next character leading one copy on
@@ -390,16 +404,16 @@ class LexemeWalk:
         _match_counted where it has room for every token.
 
         When all of cid's threads share one stack, the pairing is proven once for cid cut to no frames
-        (Automaton.truncate(cid, 0)), which every string of that rule shares at any depth, provided no
-        configuration inside pushes or pops (each keeps the one MARK stack): cid's own configurations inside are
-        then those with the MARK frame read as cid's stack (Automaton.restack), and only the quote's step is
-        cid's own. With `inside` False a pairing inside a character (_match_inside_counted) is not looked for."""
+        (pairing_cut), which every string of that rule shares at any depth, provided no configuration inside
+        pushes or pops (each keeps the one MARK stack): cid's own configurations inside are then those with the
+        MARK frame read as cid's stack (Automaton.restack), and only the quote's step is cid's own. A top-level
+        string (the empty stack) is proven on its own configurations so, and kept for the rule's deeper ones. With
+        `inside` False a pairing inside a character (_match_inside_counted) is not looked for."""
         if cid in self._matched:
             return self._matched[cid]
         a = self.automaton
         lexer = string_lexer()
-        stacks = {sid for _, sid in a.configs[cid]}
-        cut = a.truncate(cid, 0) if len(stacks) == 1 and 0 not in stacks else cid
+        stack, cut = pairing_cut(a, cid)
         # The cut's row, not cid's: the cut is shared by the strings of its rule at every depth and expanded
         # once, where cid's own row would intern a dozen configurations per string (what a walk below an opening
         # quote asks) that nothing else reads. A pairing proven on the cut holds for cid's bytes but the quote,
@@ -430,19 +444,22 @@ class LexemeWalk:
         for state in (() if a.shift_key(cid)[1] >= 0 else alike):
             if not self._moves_like(cut, row, state):
                 continue
-            if cut == cid:
+            if stack < 0 or (stack and cut == cid):  # threads on several stacks, or no stack cut: cid's own
                 proven = self._match(cid, state, False)
                 if proven is not None:
                     result = (state, proven[1])
             else:
-                key = (cut, state)
+                # a top-level string is kept under its threads on the MARK stack, the cut of the rule's deeper ones:
+                # proven once for both (json_object paired its key and value rules at the top level and again below,
+                # 25 configurations each)
+                key = (cut if stack else a.restack(cid, a.mark_stack), state)
                 if key not in self._proven:
                     proven = self._match(cut, state, True)
                     self._proven[key] = None if proven is None else proven[0]
                 boundary = self._proven[key]
                 if boundary is not None:
                     quote = lexer.close_bytes
-                    closes = a.step_some(a.restack(boundary, next(iter(stacks))), quote)
+                    closes = a.step_some(a.restack(boundary, stack), quote)
                     if all(closes[b] == closes[quote[0]] for b in quote):
                         result = (state, closes[quote[0]])
             if result is not None:
@@ -654,7 +671,10 @@ class LexemeWalk:
         if walked is None:
             return None
         boundary, close = walked[0].get(lexer.start), walked[1].get(lexer.close)
-        return None if boundary is None or close is None else (boundary, close)
+        if boundary is None or close is None:
+            return None
+        self.num_paired += 1
+        return boundary, close
 
     def _pair(self, cid: int, first: int, exits: tuple[int, ...], is_cut: bool = False
               ) -> tuple[dict[int, int], dict[int, int], list[tuple[int, int]]] | None:
@@ -662,13 +682,15 @@ class LexemeWalk:
         state reached pairs with one configuration, of kind 1, that moves as it does. The states of `exits` are not
         walked on from (but as `first`): each is reached into one configuration. -> (lexer state -> the configuration
         paired, exit state -> the one it leads to, cid's own moves), or None where the configurations do not move
-        so. With is_cut, every configuration inside has its threads on the MARK stack alone, in states other than
-        MARK, too. What every pairing (_match, pair_counted, _match_inside_counted) walks; each lexer state pairs
-        once, so the work is bounded by the lexer's 36 states."""
+        so. With is_cut, every configuration inside has its threads on cid's one stack alone (MARK's, or the empty
+        one at the top level), none popping (into MARK, or the top level's end), too. What every pairing (_match,
+        pair_counted, _match_inside_counted) walks; each lexer state pairs once, so the work is bounded by the
+        lexer's 36 states."""
         lexer = string_lexer()
         a = self.automaton
         kind, segments = a.kind, lexer.segments
-        mark, mark_stack, configs = a.mark, a.mark_stack, a.configs
+        mark, accept, configs = a.mark, a.accept_state, a.configs
+        home = next(iter(configs[cid]))[1]  # with is_cut: the MARK stack, or the empty one at the top level
         paired = {first: cid}
         reached: dict[int, int] = {}
         work = [(cid, first)]
@@ -677,9 +699,10 @@ class LexemeWalk:
             g, state = work.pop()
             if kind[g] != 1:
                 return None
-            # What reading the MARK frame as cid's stack rests on. A MARK thread takes every byte, so the rows
-            # refuse it anyway; a push inside would be sound too below the depth cap: both are kept out cheaply.
-            if is_cut and any(s == mark or sid != mark_stack for s, sid in configs[g]):
+            # What reading the MARK frame (or the empty stack) as any stack rests on: no thread pops (into a MARK
+            # thread, or the top level's accepting one) or pushes. A MARK thread takes every byte, so the rows refuse
+            # it anyway; a push inside would be sound too below the depth cap: both are kept out cheaply.
+            if is_cut and any(s == mark or s == accept or sid != home for s, sid in configs[g]):
                 return None
             moves = _config_moves(a, g, segments[state])
             if moves is None:
