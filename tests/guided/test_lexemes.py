@@ -10,7 +10,7 @@ from rawserve.engine.guided.grammar import Grammar, Repeat, alt, byte_set, lit, 
 from rawserve.engine.guided.json_schema import json_object_grammar, schema_to_grammar
 from rawserve.engine.guided.json_strings import CHAR, STRING, STRING_BODY
 from rawserve.engine.guided.counted_tail import counted_tokens
-from rawserve.engine.guided.lexemes import (SHIFT_SPARE, StringLexeme, opening_quotes, pairing_cut,
+from rawserve.engine.guided.lexemes import (SHIFT_SPARE, LexemeWalk, StringLexeme, opening_quotes, pairing_cut,
                                             prepare_string_lexemes, string_lexeme, string_lexer)
 from rawserve.engine.guided.matcher import GrammarRuntime
 from rawserve.engine.guided.nfa import compile_grammar
@@ -149,6 +149,25 @@ def test_a_top_level_string_and_a_deeper_one_share_one_pairing(vocab):
     (top_paired, top_matched, top_on_empty, _), (nested_paired, nested_matched, _, nested_deeper) = runs
     assert top_on_empty and nested_deeper, runs  # both kinds were asked
     assert nested_matched > top_matched and nested_paired == top_paired, runs
+
+
+def test_a_place_inside_a_character_is_proven_by_its_strings_pairing(vocab, monkeypatch):
+    """A string's pairing (on a stack: its cut's) walks every lexer state, and each configuration it pairs is kept as
+    proven from that state (LexemeWalk._match): a place inside a character (`é` split) or an escape (after `\\`),
+    at the top level or deeper, is then matched with no pairing of its own, where it failed one for each other
+    state with its bytes alive and then walked the whole pairing again (this text: 4 pairings, not 98)."""
+    runtime = GrammarRuntime(compile_grammar(json_object_grammar(), "inside_kept"), vocab)
+    calls = []
+    match = LexemeWalk._match
+    monkeypatch.setattr(LexemeWalk, "_match",
+                        lambda walk, cid, first, is_cut: calls.append(cid) or match(walk, cid, first, is_cut))
+    check_every_place(runtime, vocab, '{"a": {"b": "x\\n\u00e9y", "c": ["\u00e9\\""]}}')
+    a, lexer = runtime.automaton, string_lexer()
+    inside = [cid for cid, matched in runtime._lexeme._matched.items()
+              if matched is not None and matched[0] != lexer.start and pairing_cut(a, cid)[0] >= 0]
+    assert len({matched for cid, matched in runtime._lexeme._matched.items() if cid in inside}) >= 3, inside
+    cuts = {pairing_cut(a, cid)[1] for cid in inside}
+    assert calls and not cuts.intersection(calls)
 
 
 def test_inside_a_character_or_an_escape_the_lexeme_sets_serve_too(vocab):

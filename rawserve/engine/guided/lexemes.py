@@ -125,13 +125,19 @@ def pairing_cut(a: Automaton, cid: int) -> tuple[int, int]:
     """(the stack all of cid's threads share, -1 if they do not; the configuration LexemeWalk.match pairs with the
     lexer in cid's stead): cid cut to no frames over a MARK frame (Automaton.truncate(cid, 0)) when its threads share a
     stack, which every string of a rule shares at any depth; else, and at the top level (the empty stack), cid itself,
-    whose pairing match keeps under its threads put on the MARK stack: the cut of the rule's deeper strings."""
+    whose pairing is kept by its NFA states (proof_key) as the rule's deeper strings' cuts are."""
     threads = a.configs[cid]
     stacks = {sid for _, sid in threads}
     if len(stacks) != 1:
         return -1, cid
     stack = next(iter(stacks))
     return stack, (a.truncate(cid, 0) if stack else cid)
+
+
+def proof_key(a: Automaton, cut: int) -> frozenset[int]:
+    """What LexemeWalk keeps a pairing of a cut under (pairing_cut: its threads on one stack, the MARK stack's or the
+    top level's empty one): the threads' NFA states, the same for a top-level string and the rule's deeper ones."""
+    return frozenset([s for s, _ in a.configs[cut]])
 
 
 def string_lexer() -> StringLexer:
@@ -369,8 +375,9 @@ class LexemeWalk:
         self.vocab = vocab
         # configuration -> (lexer state, the configuration after its string's closing quote), None: no match
         self._matched: dict[int, tuple[int, int] | None] = {}
-        # a cut configuration and lexer state -> the configuration paired with the lexer's start, None: no match
-        self._proven: dict[tuple[int, int], int | None] = {}
+        # a cut configuration's NFA states (proof_key: its MARK stack, or the top level's empty one, left out) and a
+        # lexer state -> a configuration paired with the lexer's start (on either stack), None: no match
+        self._proven: dict[tuple[frozenset[int], int], int | None] = {}
         # close walks: per (lexer state, configuration after the quote), or per (trie node of an opening quote,
         # that configuration) for the anchored sets
         self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -439,6 +446,9 @@ class LexemeWalk:
         row = a.expand(cut)
         result = None
         alike = lexer.by_alive.get(a.alive_runs(cut), ())
+        if stack >= 0 and len(alike) > 1:  # a state a kept pairing proved for the cut first (_match)
+            proven, states = self._proven, proof_key(a, cut)
+            alike = sorted(alike, key=lambda state: proven.get((states, state)) is None)
         # A place of a counted string (in a repeat run) never pairs so: a character leads it a copy on, where the
         # pairing wants the place itself. Inside a 4-byte emoji nested20's gift message failed 14 such pairings.
         for state in (() if a.shift_key(cid)[1] >= 0 else alike):
@@ -449,10 +459,10 @@ class LexemeWalk:
                 if proven is not None:
                     result = (state, proven[1])
             else:
-                # a top-level string is kept under its threads on the MARK stack, the cut of the rule's deeper ones:
-                # proven once for both (json_object paired its key and value rules at the top level and again below,
-                # 25 configurations each)
-                key = (cut if stack else a.restack(cid, a.mark_stack), state)
+                # kept by the cut's states: a top-level string and the rule's deeper ones (on stacks, cut to MARK's)
+                # are proven once for both (json_object paired its key and value rules at the top level and again
+                # below, 25 configurations each)
+                key = (proof_key(a, cut), state)
                 if key not in self._proven:
                     proven = self._match(cut, state, True)
                     self._proven[key] = None if proven is None else proven[0]
@@ -674,6 +684,15 @@ class LexemeWalk:
         if boundary is None or close is None:
             return None
         self.num_paired += 1
+        if is_cut:
+            # Every configuration paired inside is a cut too (on the same stack), and its own pairing from its lexer
+            # state would walk a part of this one, to the same configuration at the start: kept as proven. A place
+            # inside a character or an escape (a token that splits `ë`, or ends on `\`) is then matched without
+            # walking the pairing again, after a failed one for each other state with its bytes alive (json_object:
+            # ~18 failed and 2 whole pairings, a round).
+            a, proven = self.automaton, self._proven
+            for state, g in walked[0].items():
+                proven.setdefault((proof_key(a, g), state), boundary)
         return boundary, close
 
     def _pair(self, cid: int, first: int, exits: tuple[int, ...], is_cut: bool = False
