@@ -51,6 +51,24 @@ def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
     assert not any(gc.is_tracked(row) for row in read)
 
 
+def test_a_configurations_edges_are_its_states_rows(vocab):
+    """Automaton._edges pairs each thread's stack with its state's byte row, the packed grammar's own tuple (MARK's
+    one row for every MARK thread), so a new configuration makes a pair per thread and no tuple per edge for the
+    young collections to walk (json_object's first pass: ~1,500 fewer, a fifth of its young objects)."""
+    compiled = pickle.loads(pickle.dumps(compile_grammar(GRAMMARS["json_object"], "shared_rows")))
+    runtime = GrammarRuntime(compiled, vocab)
+    check_every_place(runtime, vocab, TEXTS["json_object"])
+    a = runtime.automaton
+    num_edges = num_shared = 0
+    for cid in range(1, a.num_configs):
+        for row, sid in a._edges(cid):
+            states = [s for s, stack in a.configs[cid] if stack == sid]
+            assert any(row is (a._any_byte if s == a.mark else compiled.byte_edges[s]) for s in states), cid
+            num_edges += len(row)
+        num_shared += len(a._edges(cid)) < sum(len(row) for row, _ in a._edges(cid))
+    assert num_edges > 100 and num_shared > 10
+
+
 def test_rows_read_before_are_read_at_c_level_even_when_empty(vocab, monkeypatch):
     """Once a packed state's rows were read, the automaton reads them again through the C-level reader
     (PackedRows.reader), empty ones too: most states have no byte or token edges, and a falsy row sent every read
@@ -75,7 +93,7 @@ def test_rows_read_before_are_read_at_c_level_even_when_empty(vocab, monkeypatch
         a.allowed_tokens(cid)
     assert reads == []
     monkeypatch.undo()
-    assert sum(map(len, edges.values())) > 100
+    assert sum(len(row) for groups in edges.values() for row, _ in groups) > 100
 
 
 # a pattern (escaped into the string, json_strings.escape_content), nested objects and a long counted string (virtual

@@ -168,6 +168,10 @@ def test_a_place_inside_a_character_is_proven_by_its_strings_pairing(vocab, monk
     assert len({matched for cid, matched in runtime._lexeme._matched.items() if cid in inside}) >= 3, inside
     cuts = {pairing_cut(a, cid)[1] for cid in inside}
     assert calls and not cuts.intersection(calls)
+    # kept by states as an int (one thread) or a tuple of ints, which the collector untracks; never a frozenset
+    kept = [states for states, _ in runtime._lexeme._proven]
+    assert len(kept) > 30 and any(isinstance(k, int) for k in kept)
+    assert all(isinstance(k, int) or all(isinstance(s, int) for s in k) for k in kept)
 
 
 def test_inside_a_character_or_an_escape_the_lexeme_sets_serve_too(vocab):

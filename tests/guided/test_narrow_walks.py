@@ -76,7 +76,7 @@ def test_bytes_stepped_without_a_row_lead_where_the_row_does(vocab, name):
 
 def _runs(a: Automaton, cid: int) -> list[tuple[int, int]]:
     """The maximal runs [begin, end) of bytes some edge of cid's threads takes, byte by byte."""
-    covered = [any(lo <= b <= hi for lo, hi, _, _ in a._edges(cid)) for b in range(256)]
+    covered = [any(lo <= b <= hi for row, _ in a._edges(cid) for lo, hi, _ in row) for b in range(256)]
     runs = []
     for b in range(256):
         if covered[b] and (b == 0 or not covered[b - 1]):
@@ -223,7 +223,8 @@ def test_bytes_stepped_as_one_thread_lead_where_the_reference_does():
         num_lone += a.lone_thread(cid) is not None
         # one thread's configuration reads its edge bytes off its state (state_covers), not an edge list
         edges = a._edges(cid)
-        assert a.edge_bytes(cid) == sum(1 << b for b in range(256) if any(lo <= b <= hi for lo, hi, _, _ in edges))
+        assert a.edge_bytes(cid) == sum(1 << b for b in range(256)
+                                        if any(lo <= b <= hi for row, _ in edges for lo, hi, _ in row))
         for data in vocab.token_bytes:
             threads = a.configs[cid]
             for byte in data:

@@ -60,6 +60,7 @@ class Automaton:
         self.g = g
         n = g.num_states
         self.mark = n  # a state past the NFA's: any byte, forever
+        self._any_byte = ((0, 255, n),)  # MARK's byte edges
         # 1 per state with a byte or token edge (MARK too): bytes, not a list of bools, which the garbage collector
         # walks item by item (12k for nested20) in the collections a new grammar's first masks run
         self.consuming = bytes(has_edges(g.byte_edges, g.token_edges) + [True])
@@ -400,14 +401,15 @@ class Automaton:
         if cid == DEAD or row[0] >= 0:
             return row
         edges = self._edges(cid)
-        cuts = sorted({0, 256, *(lo for lo, _, _, _ in edges), *(hi + 1 for _, hi, _, _ in edges)})
+        cuts = sorted({0, 256, *(lo for row, _ in edges for lo, _, _ in row),
+                       *(hi + 1 for row, _ in edges for _, hi, _ in row)})
         row = [DEAD] * 256
         # Byte runs that move the same threads share one closure (_moved): a string character's class is cut
         # into a dozen runs (around `"`, `\` and the UTF-8 lead bytes) that mostly move alike.
         closed = self._moved
         alive: list[tuple[int, int]] = []
         for begin, end in zip(cuts, cuts[1:]):
-            moved = [(t, sid) for lo, hi, t, sid in edges if lo <= begin <= hi]
+            moved = [(t, sid) for row, sid in edges for lo, hi, t in row if lo <= begin <= hi]
             if moved:
                 key = moved[0] if len(moved) == 1 else tuple(moved)
                 nxt = closed.get(key)
@@ -449,11 +451,12 @@ class Automaton:
         out = []
         for lo, hi, _ in runs:
             moved = []
-            for e_lo, e_hi, t, sid in edges:
-                if e_lo <= lo and hi <= e_hi:
-                    moved.append((t, sid))
-                elif e_lo <= hi and lo <= e_hi:
-                    return None
+            for row, sid in edges:
+                for e_lo, e_hi, t in row:
+                    if e_lo <= lo and hi <= e_hi:
+                        moved.append((t, sid))
+                    elif e_lo <= hi and lo <= e_hi:
+                        return None
             key = moved[0] if len(moved) == 1 else tuple(moved)
             nxt = closed.get(key)
             if nxt is None:
@@ -498,7 +501,7 @@ class Automaton:
         runs = self._edge_runs.get(cid)
         if runs is None:
             merged: list[tuple[int, int]] = []
-            for lo, hi in sorted([(lo, hi + 1) for lo, hi, _, _ in self._edges(cid)]):
+            for lo, hi in sorted([(lo, hi + 1) for row, _ in self._edges(cid) for lo, hi, _ in row]):
                 if merged and lo <= merged[-1][1]:
                     if hi > merged[-1][1]:
                         merged[-1] = (merged[-1][0], hi)
@@ -507,16 +510,18 @@ class Automaton:
             runs = self._edge_runs[cid] = tuple(merged)
         return runs
 
-    def _edges(self, cid: int) -> tuple[tuple[int, int, int, int], ...]:
-        """(lo, hi, target state, stack id) of every byte edge of cid's threads. Kept: a narrow configuration's are
-        read by its refusals (edge_bytes: the string lexeme's, a counted place's, the walk's width), by its walk
-        (edge_runs) and by each step_some, three to five times a mask, where expand read them once."""
+    def _edges(self, cid: int) -> tuple[tuple[tuple[tuple[int, int, int], ...], int], ...]:
+        """(byte edges, stack id) per thread of cid with byte edges: the edges (lo, hi, target state) are its state's
+        row, shared by every configuration on that state, so a new configuration makes one pair per thread, not a
+        (lo, hi, target, stack) tuple per edge (json_object's first pass made ~1,500 such, a third of what its young
+        collection walked). Kept: a narrow configuration's are read by its walk (edge_runs) and by each step_some,
+        three to five times a mask, where expand read them once."""
         edges = self._edge_lists.get(cid)
         if edges is not None:
             return edges
-        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, ((0, 255, self.mark),)
+        byte_edges, mark, any_byte = self.g.byte_edges, self.mark, self._any_byte
         read = self._read_bytes
-        edges = []
+        groups = []
         for s, sid in self.configs[cid]:
             if s == mark:
                 row = any_byte
@@ -526,8 +531,9 @@ class Automaton:
                 row = read(s)
                 if row is None:
                     row = byte_edges[s]
-            edges += [(lo, hi, t, sid) for lo, hi, t in row]
-        edges = self._edge_lists[cid] = tuple(edges)  # a tuple of int tuples: untracked by the garbage collector
+            if row:
+                groups.append((row, sid))
+        edges = self._edge_lists[cid] = tuple(groups)  # tuples of int tuples: untracked by the garbage collector
         return edges
 
     def lone_edges(self, s: int) -> tuple[tuple[int, int, int], ...] | None:
@@ -588,7 +594,7 @@ class Automaton:
             if not covered >> byte & 1:  # no edge takes it: most of a narrow trie node's children for a key's letter
                 known[byte] = DEAD
                 continue
-            moved = [(t, sid) for lo, hi, t, sid in edges if lo <= byte <= hi]
+            moved = [(t, sid) for row, sid in edges for lo, hi, t in row if lo <= byte <= hi]
             key = moved[0] if len(moved) == 1 else tuple(moved)
             nxt = closed.get(key)
             if nxt is None:

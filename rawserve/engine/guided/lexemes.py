@@ -134,10 +134,15 @@ def pairing_cut(a: Automaton, cid: int) -> tuple[int, int]:
     return stack, (a.truncate(cid, 0) if stack else cid)
 
 
-def proof_key(a: Automaton, cut: int) -> frozenset[int]:
+def proof_key(a: Automaton, cut: int) -> int | tuple[int, ...]:
     """What LexemeWalk keeps a pairing of a cut under (pairing_cut: its threads on one stack, the MARK stack's or the
-    top level's empty one): the threads' NFA states, the same for a top-level string and the rule's deeper ones."""
-    return frozenset([s for s, _ in a.configs[cut]])
+    top level's empty one): the threads' NFA states, the same for a top-level string and the rule's deeper ones. One
+    thread's (most places inside a character or an escape) is its state, an int, not a frozenset: the collector
+    tracks every frozenset, and the young collections walk those kept."""
+    threads = a.configs[cut]
+    if len(threads) == 1:
+        return next(iter(threads))[0]
+    return tuple(sorted([s for s, _ in threads]))
 
 
 def string_lexer() -> StringLexer:
@@ -377,7 +382,7 @@ class LexemeWalk:
         self._matched: dict[int, tuple[int, int] | None] = {}
         # a cut configuration's NFA states (proof_key: its MARK stack, or the top level's empty one, left out) and a
         # lexer state -> a configuration paired with the lexer's start (on either stack), None: no match
-        self._proven: dict[tuple[frozenset[int], int], int | None] = {}
+        self._proven: dict[tuple[int | tuple[int, ...], int], int | None] = {}
         # close walks: per (lexer state, configuration after the quote), or per (trie node of an opening quote,
         # that configuration) for the anchored sets
         self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
