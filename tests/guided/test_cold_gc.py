@@ -42,6 +42,9 @@ def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
     keys = list(a._moved)
     assert any(len(key) == 2 and isinstance(key[0], int) for key in keys)
     assert not any(len(key) == 1 for key in keys)
+    # a token's step and a cut are kept under an int, not a (configuration, token or depth) tuple per entry
+    assert len(runtime._token_next) > 30 and all(isinstance(key, int) for key in runtime._token_next)
+    assert len(a._truncated) > 10 and all(isinstance(key, int) for key in a._truncated)
     edge_rows = [compiled.eps, compiled.byte_edges, compiled.token_edges, compiled.call_edges]
     assert all(isinstance(rows, PackedRows) for rows in edge_rows)
     # the flat ints stay arrays, whose traversal visits no item, not 10k-item lists

@@ -91,7 +91,8 @@ class Automaton:
         # on a state with lone_edges by those edges, interning nothing it passes through (lone_config)
         self.lone: list[tuple[int, int] | None] = [None]
         self._lone_edges: dict[int, tuple[tuple[int, int, int], ...] | None] = {}
-        self._truncated: dict[tuple[int, int], int] = {}  # (configuration, depth) -> its cut
+        # configuration << 8 | depth -> its cut: an int key, where a (configuration, depth) tuple was a young object
+        self._truncated: dict[int, int] = {}
         self._regions = sorted(g.repeats)
         self._region_firsts = [first for first, _, _ in self._regions]
         self._shift_keys: dict[int, tuple[frozenset[tuple[int, int]], int]] = {}
@@ -223,7 +224,9 @@ class Automaton:
         """The configuration with every stack cut to its top `depth` frames over a MARK frame (cid
         itself when no stack is deeper). Near the depth cap nothing is cut: there a push the cut
         configuration allows may be one the real one refuses."""
-        cut = self._truncated.get((cid, depth))
+        depth = min(depth, MAX_STACK_DEPTH)  # no stack is deeper: the same cut (cid), and a key below 1 << 8
+        key = cid << 8 | depth
+        cut = self._truncated.get(key)
         if cut is not None:
             return cut
         threads = self.configs[cid]
@@ -246,7 +249,7 @@ class Automaton:
                     base = self._push(ret, base)
                 new.add((s, base))
             cut = self._intern(frozenset(new))
-        self._truncated[(cid, depth)] = cut
+        self._truncated[key] = cut
         return cut
 
     def restack(self, cid: int, sid: int) -> int:

@@ -78,7 +78,8 @@ class GrammarRuntime:
         self._shared_masks = vocab.shared_masks  # equal masks are one object, across grammars too
         # the device in its keys as a string, not a torch.device object
         self._device_key = str(self.device)
-        self._token_next: dict[tuple[int, int], int] = {}
+        # configuration << 32 | token id -> the configuration after it: an int key, not a young tuple per token
+        self._token_next: dict[int, int] = {}
         self.num_masks_built = 0
         self.num_walks = {"lexeme": 0, "plain": 0, "python": 0, "tensor": 0}  # which walk built each mask's base
         self.mask_build_s = 0.0
@@ -95,7 +96,7 @@ class GrammarRuntime:
 
     def advance(self, cid: int, token_id: int) -> int:
         """The configuration after `token_id` (DEAD if the grammar does not allow it)."""
-        key = (cid, token_id)
+        key = cid << 32 | token_id if 0 <= token_id < 1 << 32 else (cid, token_id)
         nxt = self._token_next.get(key)
         if nxt is None:
             a = self.automaton
