@@ -45,6 +45,12 @@ def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
     # a token's step and a cut are kept under an int, not a (configuration, token or depth) tuple per entry
     assert len(runtime._token_next) > 30 and all(isinstance(key, int) for key in runtime._token_next)
     assert len(a._truncated) > 10 and all(isinstance(key, int) for key in a._truncated)
+    # a walk's ids are kept as tuples (or a tensor), which a collection untracks, never as lists, which every one
+    # walks; most masks are shared under an int
+    walks = list(runtime._walks.values())
+    assert sum(isinstance(walked[1], tuple) for walked in walks) > 10
+    assert not any(isinstance(walked[1], list) or not isinstance(walked[2], tuple) for walked in walks)
+    assert sum(isinstance(key, int) for key in runtime._shared) > len(runtime._shared) // 2
     edge_rows = [compiled.eps, compiled.byte_edges, compiled.token_edges, compiled.call_edges]
     assert all(isinstance(rows, PackedRows) for rows in edge_rows)
     # the flat ints stay arrays, whose traversal visits no item, not 10k-item lists

@@ -11,7 +11,7 @@ import sys
 import time
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import logging
 
@@ -70,11 +70,12 @@ class GrammarRuntime:
         self._kind = torch.zeros(64, dtype=torch.int8)  # Automaton.kind per configuration, as the walk reads it
         self._num_kinds = 0
         self._masks: dict[int, TokenMask] = {}  # per configuration
-        self._walks: dict[int, tuple] = {}  # per truncated configuration: what _walk returned
+        self._walks: dict[int, tuple] = {}  # per truncated configuration: what _walk returned, its lists as tuples
         self._plain = PlainWalk(self.automaton, vocab)  # walks of configurations plain characters move alike
         self._lexeme = LexemeWalk(self.automaton, vocab)  # configurations inside a JSON string body
         self._tail = CountedTail(self._lexeme)  # a counted string's last places: the lexeme's tokens by count
-        self._shared: dict[tuple, TokenMask] = {}  # per (cut configuration, ids checked one by one, ...)
+        # per (cut configuration, ids checked one by one, special ids, accepting), or cut << 1 | accepting
+        self._shared: dict[tuple | int, TokenMask] = {}
         self._shared_masks = vocab.shared_masks  # equal masks are one object, across grammars too
         # the device in its keys as a string, not a torch.device object
         self._device_key = str(self.device)
@@ -158,18 +159,23 @@ class GrammarRuntime:
         base = a.truncate(cid, TRUNCATE_DEPTH) if cid != DEAD else DEAD
         walked = self._walks.get(base)
         if walked is None:
-            walked = self._walk(base)
-            self._walks[base] = walked
+            num_plain, certain, uncertain, lexeme = self._walk(base)
+            # kept as tuples: the collector untracks a tuple of ints at its first collection, and walks a list at
+            # every one (a nested20 pass kept ~860 such lists, with the tuples around them)
+            walked = self._walks[base] = (num_plain, tuple(certain) if type(certain) is list else certain,
+                                          tuple(uncertain), lexeme)
             self._cache_bytes += 8 * (len(walked[1]) + len(walked[2]))
         num_plain, certain, uncertain, lexeme = walked
         # a comprehension is a call: most masks have no undecided tokens and no special ones (DEAD's dict is empty)
         extra = [t for t in uncertain if self.advance(cid, t) != DEAD] if uncertain else []
         allowed = a.allowed_tokens(cid)
         specials = [t for t in allowed if 0 <= t < self.vocab.vocab_size] if allowed else []
-        key = (base, tuple(extra), tuple(specials), a.is_accepting[cid])
+        accepting = a.is_accepting[cid]
+        # most masks check no token one by one and name no special one: an int key then, not a young tuple per mask
+        key = base << 1 | accepting if not extra and not specials else (base, tuple(extra), tuple(specials), accepting)
         mask = self._shared.get(key)
         if mask is None:
-            mask = self._make_mask(num_plain, certain, extra + specials, a.is_accepting[cid], lexeme)
+            mask = self._make_mask(num_plain, certain, extra + specials, accepting, lexeme)
             self._shared[key] = mask
             self._cache_bytes += mask.nbytes
         self._masks[cid] = mask
@@ -413,17 +419,17 @@ class GrammarRuntime:
         mask with caches cold)."""
         return ids if self._is_cpu else ids.to(self.device)
 
-    def _make_mask(self, num_plain: int, certain: torch.Tensor | list[int], more: list[int], accepting: bool,
+    def _make_mask(self, num_plain: int, certain: torch.Tensor | Sequence[int], more: list[int], accepting: bool,
                    lexeme: StringLexeme | InsideUpTo | None = None) -> TokenMask:
         if num_plain == IN_STRING_LEXEME:
             return self._lexeme_mask(lexeme, certain, more, accepting)
-        if isinstance(certain, list):
+        if isinstance(certain, (list, tuple)):
             if len(certain) + len(more) <= SPARSE_PY_MAX_IDS:
                 return self._list_mask(certain, more, accepting)
             certain = id_tensor(certain)
         return self._tensor_mask(num_plain, certain, more, accepting)
 
-    def _list_mask(self, certain: list[int], more: list[int], accepting: bool) -> TokenMask:
+    def _list_mask(self, certain: Sequence[int], more: list[int], accepting: bool) -> TokenMask:
         """A narrow mask in Python and one tensor (the cat, isin and unique of _tensor_mask cost 50-100 us a mask,
         most of a key's or a digit's), or the equal one another configuration or grammar made
         (VocabIndex.shared_masks). Keyed by the ids as a frozenset, equal whatever order the walk found them in: a
@@ -443,7 +449,7 @@ class GrammarRuntime:
             mask = TokenMask(True, self._placed(id_tensor(ids)), len(ids), accepting)
         return self._shared_masks.put(key, mask, sys.getsizeof(allowed))
 
-    def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: list[int], more: list[int],
+    def _lexeme_mask(self, lexeme: StringLexeme | InsideUpTo, certain: Sequence[int], more: list[int],
                      accepting: bool) -> TokenMask:
         """A string lexeme's inside set with the walked ids allowed too (they carry their duplicates): one per
         lexeme and walked set whatever the configuration or grammar (VocabIndex.shared_masks): a string's places,
