@@ -7,6 +7,7 @@ import pickle
 from array import array
 
 import pytest
+import torch
 
 from rawserve.engine.guided.automaton import UNEXPANDED, Automaton
 from rawserve.engine.guided.json_schema import schema_to_grammar
@@ -45,11 +46,13 @@ def test_a_cold_pass_leaves_no_rows_for_the_collector(vocab, name):
     # a token's step and a cut are kept under an int, not a (configuration, token or depth) tuple per entry
     assert len(runtime._token_next) > 30 and all(isinstance(key, int) for key in runtime._token_next)
     assert len(a._truncated) > 10 and all(isinstance(key, int) for key in a._truncated)
-    # a walk's ids are kept as tuples (or a tensor), which a collection untracks, never as lists, which every one
-    # walks; most masks are shared under an int
+    # a walk's ids, and a string's kept close sets, are int64 arrays (or a tensor), which no collection tracks; most
+    # masks are shared under an int
     walks = list(runtime._walks.values())
-    assert sum(isinstance(walked[1], tuple) for walked in walks) > 10
-    assert not any(isinstance(walked[1], list) or not isinstance(walked[2], tuple) for walked in walks)
+    assert sum(isinstance(walked[1], array) for walked in walks) > 10
+    assert all(isinstance(walked[1], (array, torch.Tensor)) and isinstance(walked[2], array) for walked in walks)
+    closes = list(runtime._lexeme._closes.values())
+    assert len(closes) > 3 and all(isinstance(ids, array) for kept in closes for ids in kept)
     assert sum(isinstance(key, int) for key in runtime._shared) > len(runtime._shared) // 2
     edge_rows = [compiled.eps, compiled.byte_edges, compiled.token_edges, compiled.call_edges]
     assert all(isinstance(rows, PackedRows) for rows in edge_rows)
@@ -78,6 +81,24 @@ def test_a_configurations_edges_are_its_states_rows(vocab):
     assert num_edges > 100 and num_shared > 10
 
 
+def test_a_configurations_edges_die_with_their_read(vocab):
+    """Automaton._edges' (row, stack) pairs are made at each read and kept by nothing: kept per configuration, ~1,000
+    a json_object pass lived to its young collection, a quarter of the objects that one walked inside a mask."""
+    compiled = pickle.loads(pickle.dumps(compile_grammar(GRAMMARS["json_object"], "edges_die")))
+    runtime = GrammarRuntime(compiled, vocab)
+    gc.collect()
+    gc.disable()  # everything the pass leaves alive is young, and listed
+    try:
+        check_every_place(runtime, vocab, TEXTS["json_object"])
+        pairs = [o for o in gc.get_objects(0) if type(o) is tuple and len(o) == 2 and type(o[1]) is int
+                 and type(o[0]) is tuple and o[0] and type(o[0][0]) is tuple and len(o[0][0]) == 3]
+    finally:
+        gc.enable()
+    a = runtime.automaton
+    assert a.num_configs > 100 and sum(len(a._edges(cid)) for cid in range(1, a.num_configs)) > 100
+    assert pairs == []
+
+
 def test_rows_read_before_are_read_at_c_level_even_when_empty(vocab, monkeypatch):
     """Once a packed state's rows were read, the automaton reads them again through the C-level reader
     (PackedRows.reader), empty ones too: most states have no byte or token edges, and a falsy row sent every read
@@ -95,7 +116,6 @@ def test_rows_read_before_are_read_at_c_level_even_when_empty(vocab, monkeypatch
     reads = []
     getitem = PackedRows.__getitem__
     monkeypatch.setattr(PackedRows, "__getitem__", lambda rows, s: reads.append(s) or getitem(rows, s))
-    a._edge_lists.clear()  # kept per configuration: read the rows again
     edges = {cid: a._edges(cid) for cid in configs}
     for cid in configs:
         a.next_token[cid] = None  # worked out again

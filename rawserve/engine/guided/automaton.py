@@ -100,7 +100,6 @@ class Automaton:
         self._alive: dict[int, tuple[tuple[int, int], ...]] = {}  # expanded configuration -> alive_runs
         self._partial: dict[int, dict[int, int]] = {}  # unexpanded configuration -> the bytes stepped so far
         self._spare: dict[tuple[int, int], int] = {}  # (configuration, run) -> spare_in, asked per trie node
-        self._edge_lists: dict[int, tuple[tuple[int, int, int, int], ...]] = {}  # configuration -> _edges
         self._edge_bytes: dict[int, int] = {}  # configuration -> edge_bytes
         self._state_covers: dict[int, int] = {}  # state -> state_covers
         self._edge_runs: dict[int, tuple[tuple[int, int], ...]] = {}  # configuration -> edge_runs
@@ -513,15 +512,14 @@ class Automaton:
             runs = self._edge_runs[cid] = tuple(merged)
         return runs
 
-    def _edges(self, cid: int) -> tuple[tuple[tuple[tuple[int, int, int], ...], int], ...]:
+    def _edges(self, cid: int) -> list[tuple[tuple[tuple[int, int, int], ...], int]]:
         """(byte edges, stack id) per thread of cid with byte edges: the edges (lo, hi, target state) are its state's
         row, shared by every configuration on that state, so a new configuration makes one pair per thread, not a
         (lo, hi, target, stack) tuple per edge (json_object's first pass made ~1,500 such, a third of what its young
-        collection walked). Kept: a narrow configuration's are read by its walk (edge_runs) and by each step_some,
-        three to five times a mask, where expand read them once."""
-        edges = self._edge_lists.get(cid)
-        if edges is not None:
-            return edges
+        collection walked). Made at each read, not kept: a narrow configuration's are read by its walk (edge_runs)
+        and by each step_some, three to five times a mask, but kept they were ~1,000 tuples a json_object pass that
+        lived to its young collection (a quarter of what that one walked, inside a mask), where made anew they die
+        at once and cost no more CPU (the rows they pair are read at C level)."""
         byte_edges, mark, any_byte = self.g.byte_edges, self.mark, self._any_byte
         read = self._read_bytes
         groups = []
@@ -536,8 +534,7 @@ class Automaton:
                     row = byte_edges[s]
             if row:
                 groups.append((row, sid))
-        edges = self._edge_lists[cid] = tuple(groups)  # tuples of int tuples: untracked by the garbage collector
-        return edges
+        return groups
 
     def lone_edges(self, s: int) -> tuple[tuple[int, int, int], ...] | None:
         """s's byte edges (lo, hi, target), sorted and disjoint, when a thread on s alone is a configuration (s only

@@ -4,6 +4,8 @@ as one slice, and the chain of places to the run's end proven against the lexer 
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from rawserve.engine.guided.automaton import DEAD
@@ -145,7 +147,7 @@ class CountedTail:
         self.num_proven = 0  # places proven by their own pairing (the run's last few, and first places)
         self.num_walks = 0  # masks of places taken by count
         self.num_below = 0  # subtrees below an opening quote taken so
-        self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (quote node, after it) -> walked
+        self._closes: dict[tuple[int, int], tuple[array, array]] = {}  # (quote node, after it) -> walked
         self.cache_bytes = 0
 
     def clear(self) -> None:
@@ -172,7 +174,7 @@ class CountedTail:
                 [t for t in certain if close_count[t] <= left],
                 [t for t in uncertain if close_count[t] <= left])
 
-    def walk_below(self, node: int, cid: int, certain: list[int], uncertain: list[int]) -> bool:
+    def walk_below(self, node: int, cid: int, certain: array, uncertain: array) -> bool:
         """Add the tokens below trie node `node` (an opening quote) that cid, reached there, allows when it is a
         counted place with few characters left (as mask_sets: by count, from the anchored sets). False, adding
         nothing, for any other configuration."""

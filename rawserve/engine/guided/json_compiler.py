@@ -14,7 +14,7 @@ from .json_formats import FORMATS
 from .json_keywords import (ANNOTATIONS, CONSTRAINTS, count_keyword, json_equal, json_type, merge_schemas,
                             pointer_token, resolve_pointer, schema_types)
 from .json_numbers import NUMBER, number_node
-from .json_strings import CHAR, STRING, STRING_BODY, chars, escape_content, fit_length, key_except
+from .json_strings import CHAR, STRING_BODY, chars, escape_content, fit_length, key_except
 
 MAX_SCHEMA_DEPTH = 64
 MAX_GRAMMAR_NODES = 10_000  # distinct IR nodes one schema may add; also caps subschema visits
@@ -105,9 +105,13 @@ class SchemaCompiler:
             self.any_value, self.any_object = self.fresh("value"), self.fresh("object")
             array = self.fresh("array")
             value = Ref(self.any_value)
-            self.rules[self.any_value] = alt(Ref(self.any_object), Ref(array), STRING, NUMBER,
+            # its strings (a value, the first key and the later ones) call the schema's one body rule, as its plain
+            # strings do: json_object's three inlined copies were three string pairings in each new grammar's first
+            # pass (~0.3 ms each, inside its first key's, first string value's and second key's masks), now one
+            string = self.plain_string()
+            self.rules[self.any_value] = alt(Ref(self.any_object), Ref(array), string, NUMBER,
                                              lit("true"), lit("false"), _NULL)
-            member = seq(STRING, self.colon, value)
+            member = seq(string, self.colon, value)
             self.rules[self.any_object] = self.wrap(
                 "{", seq(member, Repeat(seq(self.comma, member), 0, None)), True, "}")
             self.rules[array] = self.wrap("[", seq(value, Repeat(seq(self.comma, value), 0, None)), True, "]")
@@ -316,7 +320,7 @@ class SchemaCompiler:
         num_required = sum(req for _, req in members)
         extra_member = None
         if extra_value is not None:
-            key = key_except(names) if names else STRING
+            key = key_except(names) if names else self.plain_string()
             extra_member = self.share(seq(key, self.colon, extra_value), "extra")
         if "minProperties" in c and count_keyword(c, "minProperties", path) > num_required:
             raise GrammarError(f"'minProperties' at {path} is supported only when the required properties "
@@ -425,10 +429,14 @@ class SchemaCompiler:
                                    + ", ".join(sorted(FORMATS)))
             content = fit_length(make(), lo, hi, f"{path}/format")
         elif lo == 0 and hi is None:  # one body rule for all (json_strings.STRING_BODY)
-            return seq(lit('"'), Ref(self.string_body()))
+            return self.plain_string()
         else:
             content = Repeat(CHAR, lo, hi)
         return seq(lit('"'), content, lit('"'))
+
+    def plain_string(self) -> Node:
+        """Any JSON string: its opening quote and a call of the schema's body rule."""
+        return seq(lit('"'), Ref(self.string_body()))
 
     def string_body(self) -> str:
         """The rule of a plain string's body (json_strings.STRING_BODY), made at first use: one for the schema."""

@@ -9,6 +9,7 @@ token (`LexemeWalk._match_counted`).
 from __future__ import annotations
 
 import threading
+from array import array
 
 import torch
 
@@ -385,7 +386,7 @@ class LexemeWalk:
         self._proven: dict[tuple[int | tuple[int, ...], int], int | None] = {}
         # close walks: per (lexer state, configuration after the quote), or per (trie node of an opening quote,
         # that configuration) for the anchored sets
-        self._closes: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        self._closes: dict[tuple[int, int], tuple[array, array]] = {}
         self.cache_bytes = 0
         self.num_proven = 0  # pairings run, apart from the ones kept
         self.num_paired = 0  # ... and of those, the ones that took
@@ -757,7 +758,7 @@ class LexemeWalk:
         certain, uncertain = self.close_walk(*matched)
         return lexeme, certain, uncertain
 
-    def close_walk(self, state: int, close: int) -> tuple[list[int], list[int]]:
+    def close_walk(self, state: int, close: int) -> tuple[array, array]:
         """(certain, uncertain): the tokens of lexer state `state`'s close trie whose rest after the closing quote
         `close`, the configuration there, takes (kept per the two)."""
         key = (state, close)
@@ -768,7 +769,7 @@ class LexemeWalk:
             self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
         return kept
 
-    def walk_below(self, node: int, cid: int, certain: list[int], uncertain: list[int]) -> bool:
+    def walk_below(self, node: int, cid: int, certain: array, uncertain: array) -> bool:
         """Add the tokens below trie node `node` that configuration cid (reached at node) allows, when cid matches
         the lexeme at a character boundary: the anchored inside set, and its close trie walked from where the
         quote leads (kept per node and that configuration). False, adding nothing, when it does not match (or
@@ -784,7 +785,7 @@ class LexemeWalk:
                 return False
             inside, children, found = anchored
             walked = self.walk_close(matched[1], children, found)
-            kept = self._closes[key] = (inside + walked[0], walked[1])
+            kept = self._closes[key] = (array("q", inside) + walked[0], walked[1])
             self.cache_bytes += 200 + 8 * (len(kept[0]) + len(kept[1]))
         certain.extend(kept[0])
         uncertain.extend(kept[1])
@@ -792,13 +793,14 @@ class LexemeWalk:
         return True
 
     def walk_close(self, close: int, children: list[dict[int, int]],
-                   found: list[list[int]]) -> tuple[list[int], list[int]]:
+                   found: list[list[int]]) -> tuple[array, array]:
         """The close trie's tokens that `close`, the configuration after the quote, takes: (certain, uncertain).
         Also counted_tail's, over the anchored sets filtered by count."""
         a = self.automaton
         next_byte, kind = a.next_byte, a.kind
-        certain: list[int] = []
-        uncertain: list[int] = []
+        # int64 arrays, kept (_closes) where the collector never walks them: a walk copies them into its own whole
+        certain = array("q")
+        uncertain = array("q")
         work = [(0, close)]
         while work:
             node, c = work.pop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -70,7 +71,7 @@ class GrammarRuntime:
         self._kind = torch.zeros(64, dtype=torch.int8)  # Automaton.kind per configuration, as the walk reads it
         self._num_kinds = 0
         self._masks: dict[int, TokenMask] = {}  # per configuration
-        self._walks: dict[int, tuple] = {}  # per truncated configuration: what _walk returned, its lists as tuples
+        self._walks: dict[int, tuple] = {}  # per truncated configuration: what _walk returned, its ids as arrays
         self._plain = PlainWalk(self.automaton, vocab)  # walks of configurations plain characters move alike
         self._lexeme = LexemeWalk(self.automaton, vocab)  # configurations inside a JSON string body
         self._tail = CountedTail(self._lexeme)  # a counted string's last places: the lexeme's tokens by count
@@ -160,10 +161,11 @@ class GrammarRuntime:
         walked = self._walks.get(base)
         if walked is None:
             num_plain, certain, uncertain, lexeme = self._walk(base)
-            # kept as tuples: the collector untracks a tuple of ints at its first collection, and walks a list at
-            # every one (a nested20 pass kept ~860 such lists, with the tuples around them)
-            walked = self._walks[base] = (num_plain, tuple(certain) if type(certain) is list else certain,
-                                          tuple(uncertain), lexeme)
+            # kept as int64 arrays (or a tensor), which the collector never tracks: a list is walked by every
+            # collection, and a tuple of ints by the first young one that meets it (json_object's later passes kept
+            # ~12k ids in tuples, a third of what their largest young collection walked, inside a mask)
+            walked = self._walks[base] = (num_plain, certain if isinstance(certain, (array, torch.Tensor))
+                                          else array("q", certain), array("q", uncertain), lexeme)
             self._cache_bytes += 8 * (len(walked[1]) + len(walked[2]))
         num_plain, certain, uncertain, lexeme = walked
         # a comprehension is a call: most masks have no undecided tokens and no special ones (DEAD's dict is empty)
@@ -305,13 +307,13 @@ class GrammarRuntime:
             walked = self._walk_py(cid)
             if walked is not None:
                 self.num_walks["python"] += 1
-                return -1, walked[0], walked[1], None  # a list: most are a few ids, made into a mask in Python
+                return -1, walked[0], walked[1], None  # arrays: most are a few ids, made into a mask in Python
         self.num_walks["tensor"] += 1
         walk = self._walk_dense if wide else self._walk_sparse
         certain, uncertain = walk(cid)
         return -1, certain, uncertain.tolist(), None
 
-    def _walk_py(self, cid: int) -> tuple[list[int], list[int]] | None:
+    def _walk_py(self, cid: int) -> tuple[array, array] | None:
         """The sparse walk in Python, node by node: for a narrow configuration (a key, digits, an enum) a
         handful of alive nodes, where each tensor op of the level walk costs more than the whole of it.
         None past PY_WALK_BUDGET edges."""
@@ -322,8 +324,9 @@ class GrammarRuntime:
         lone_thread, lone_edges, state_covers, lone_config = a.lone_thread, a.lone_edges, a.state_covers, a.lone_config
         may_pair = string_lexer().may_pair
         below_quote, below_tail = self._lexeme.walk_below, self._tail.walk_below
-        certain: list[int] = []
-        uncertain: list[int] = []
+        # int64 arrays: a string's kept close sets (below_quote) are copied in whole, and _build keeps them as they are
+        certain = array("q")
+        uncertain = array("q")
         budget = PY_WALK_BUDGET
         work: list[tuple[int, int]] = []  # (node, configuration)
         # (node, stack, the state's lone_edges): a configuration of one thread on a state with lone_edges, stepped by
@@ -423,7 +426,7 @@ class GrammarRuntime:
                    lexeme: StringLexeme | InsideUpTo | None = None) -> TokenMask:
         if num_plain == IN_STRING_LEXEME:
             return self._lexeme_mask(lexeme, certain, more, accepting)
-        if isinstance(certain, (list, tuple)):
+        if isinstance(certain, (list, tuple, array)):
             if len(certain) + len(more) <= SPARSE_PY_MAX_IDS:
                 return self._list_mask(certain, more, accepting)
             certain = id_tensor(certain)
