@@ -392,9 +392,14 @@ def test_pairings_read_runs_without_building_rows(vocab):
     lexer = string_lexer()
     num_read = num_refused = 0
     for c in unbuilt:
+        edges = [(lo, hi) for row, _ in a._edges(c) for lo, hi, _ in row]
         for state in range(1, lexer.num_states):
             segments = lexer.segments[state]
-            nexts = a.run_steps(c, segments)
+            nexts = a.run_steps(c, segments, lexer.segment_starts[state])
+            # refused exactly when some edge begins or ends inside a run (the runs tile 0-255)
+            cut = any(lo not in {r_lo for r_lo, _, _ in segments} or hi not in {r_hi for _, r_hi, _ in segments}
+                      for lo, hi in edges)
+            assert (nexts is None) == cut, (c, state)
             if nexts is None:
                 num_refused += 1
                 continue

@@ -21,8 +21,8 @@ _U_ESCAPE = alt(
         lit("\\u"), chars("dD"), chars("cdefCDEF"), HEX, HEX))
 CHAR = alt(_PLAIN, seq(lit("\\"), chars('"\\/bfnrt')), _U_ESCAPE)
 STRING = seq(lit('"'), Repeat(CHAR, 0, None), lit('"'))
-# A plain string's body after its opening quote. A schema's plain strings all refer to one rule of it
-# (SchemaCompiler.string_body), which the NFA calls rather than inlines once two use it (its 69 nodes are over
+# A plain string's body after its opening quote. A schema's plain strings, and any JSON value's, all refer to one
+# rule of it (SchemaCompiler.plain_string), which the NFA calls rather than inlines once two use it (its 69 nodes are over
 # nfa.INLINE_MAX_NODES): a configuration inside any of them is then the same NFA states on another stack, and cut
 # to no frames one configuration, so the string lexeme's pairing (lexemes.LexemeWalk.match) is proven once per
 # schema, not once per property (a 20-property schema's first pass: 19% fewer configurations).

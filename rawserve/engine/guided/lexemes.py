@@ -61,6 +61,7 @@ class StringLexer:
         self.close_bytes = [b for b in range(256) if a.next_byte[a.start][b] == self.close]
         self.rows = [a.next_byte[c] if c != DEAD else [DEAD] * 256 for c in range(a.num_configs)]
         self.segments: list[list[tuple[int, int, int]]] = []
+        self.segment_starts: list[tuple[int, ...]] = []  # per state, its runs' first bytes (Automaton.run_steps)
         self.by_alive: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for c, row in enumerate(self.rows):
             runs, lo = [], 0
@@ -69,6 +70,7 @@ class StringLexer:
                     runs.append((lo, b - 1, row[lo]))
                     lo = b
             self.segments.append(runs)
+            self.segment_starts.append(tuple(lo for lo, _, _ in runs))
             if c not in (DEAD, self.close):
                 self.by_alive.setdefault(row_alive_runs(row), []).append(c)
         # each alive set of by_alive as a bitmask (bit b: byte b): LexemeWalk.match's refusal before a row is built
@@ -104,10 +106,12 @@ def _row_moves(row: list[int], segments: list[tuple[int, int, int]]) -> list[tup
     return moves
 
 
-def _config_moves(a: Automaton, cid: int, segments: list[tuple[int, int, int]]) -> list[tuple[int, int]] | None:
-    """_row_moves of cid's row, read run by run without building the row where cid's edges allow
-    (Automaton.run_steps)."""
-    nexts = a.run_steps(cid, segments)
+def _config_moves(a: Automaton, cid: int, state: int) -> list[tuple[int, int]] | None:
+    """_row_moves of cid's row along lexer state `state`'s runs, read run by run without building the row where
+    cid's edges allow (Automaton.run_steps)."""
+    lexer = string_lexer()
+    segments = lexer.segments[state]
+    nexts = a.run_steps(cid, segments, lexer.segment_starts[state])
     if nexts is None:
         return _row_moves(a.expand(cid), segments)
     moves = []
@@ -647,7 +651,7 @@ class LexemeWalk:
             spare = min(spare, a.spare_in(g, run) - 1)
         if spare < 1:
             return None
-        moves = _config_moves(a, cid, lexer.segments[lexer.start])
+        moves = _config_moves(a, cid, lexer.start)
         if moves is None or len(moves) != len(first_moves):
             return None
         for (nxt, nxt_state), (was, was_state) in zip(moves, first_moves):
@@ -711,9 +715,8 @@ class LexemeWalk:
         one at the top level), none popping (into MARK, or the top level's end), too. What every pairing (_match,
         pair_counted, _match_inside_counted) walks; each lexer state pairs once, so the work is bounded by the
         lexer's 36 states."""
-        lexer = string_lexer()
         a = self.automaton
-        kind, segments = a.kind, lexer.segments
+        kind = a.kind
         mark, accept, configs = a.mark, a.accept_state, a.configs
         home = next(iter(configs[cid]))[1]  # with is_cut: the MARK stack, or the empty one at the top level
         paired = {first: cid}
@@ -729,7 +732,7 @@ class LexemeWalk:
             # it anyway; a push inside would be sound too below the depth cap: both are kept out cheaply.
             if is_cut and any(s == mark or s == accept or sid != home for s, sid in configs[g]):
                 return None
-            moves = _config_moves(a, g, segments[state])
+            moves = _config_moves(a, g, state)
             if moves is None:
                 return None
             if first_moves is None:
