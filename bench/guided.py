@@ -3,7 +3,8 @@ Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32
 
 python -m bench.guided [--passes 5] [--cold-rounds 5] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
-                       [--cold-decode] [--cold-decode-tokens 48] [--cold-decode-pairs 2] [--cold-shapes tiny,0.6b]
+                       [--cold-decode] [--cold-decode-tokens 48] [--cold-decode-pairs 2] [--cold-itl-tokens 128]
+                       [--cold-shapes tiny,0.6b]
                        [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
                        [--lexeme-ab-part all|counted|tail]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
@@ -40,7 +41,8 @@ Cold (--cold-decode, issue 34), on each of --cold-shapes: batch --batch where ev
 before (variants of the corpus schemas), against the same batch unconstrained, each row as long as its cold twin
 (a grammar that ends a row early must not shrink one batch only), in --cold-decode-pairs interleaved pairs; then
 an unconstrained stream's ITL p99 alone and beside 8 cold-schema streams, and beside 8 unconstrained ones as long
-(the same batch of 9 without grammars: what the batch costs that stream apart from the guided work). The targets
+(the same batch of 9 without grammars: what the batch costs that stream apart from the guided work), over
+--cold-itl-tokens tokens a stream (the p99 of 47 gaps was their largest, one spike of a shared box). The targets
 are judged on the 0.6b shape (JUDGED_SHAPE): on the tiny one a forward takes milliseconds and any mask CPU shows.
 Masks are built on the core's helper thread ahead of need; a row whose mask is late samples in a later step
 (num_row_steps_sat_out), and the rows report what steps waited.
@@ -761,13 +763,14 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
 
     model_dir = str(ensure_qwen3_06b_shape("float32", shape=shape))
     base = {**base, "shape": shape, "judged": shape == JUDGED_SHAPE}
-    batch, out_len = args.batch, args.cold_decode_tokens
+    batch, out_len, itl_len = args.batch, args.cold_decode_tokens, args.cold_itl_tokens
     prompts = [tokenizer.encode(f"Record #{i}: reply with one JSON object.") for i in range(batch)]
     max_prompt = max(len(p) for p in prompts)
-    seq_blocks = -(-(max_prompt + out_len + 8) // 16)
+    longest = max(out_len, itl_len)
+    seq_blocks = -(-(max_prompt + longest + 8) // 16)
     config = EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", block_size=16,
                           num_kv_blocks=2 * batch * seq_blocks + 16, max_num_seqs=batch,
-                          max_num_batched_tokens=4096, max_model_len=max_prompt + out_len + 8)
+                          max_num_batched_tokens=4096, max_model_len=max_prompt + longest + 8)
     log.info("cold decode: %s shape", shape)
     core = EngineCore(config)
     registry = core.guided_registry()
@@ -868,12 +871,12 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
 
         def itl_run(tag: str, beside: list[tuple[list[int], object, object]]) -> dict:
             """The unconstrained stream "plain" beside `beside` (prompt, grammar, length) streams."""
-            return run(tag, [("plain", prompts[0], None, (out_len,))]
+            return run(tag, [("plain", prompts[0], None, (itl_len,))]
                        + [(f"g{i}", p, g, length) for i, (p, g, length) in enumerate(beside)], watch="plain")
 
         side = prompts[1:9]
         alone = itl_run("i0", [])
-        cold = itl_run("i1", [(p, g, out_len) for p, g in zip(side, grammars(8, "i1"))])
+        cold = itl_run("i1", [(p, g, itl_len) for p, g in zip(side, grammars(8, "i1"))])
         alone_after = itl_run("i2", [])
         # the same batch of 9 without grammars, each stream as long as its cold twin: a stream beside 8 others waits
         # for their share of the forward whatever they are (on the tiny shape most of the gap); this run tells the
@@ -882,7 +885,7 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
         alone_all = alone["gaps"] + alone_after["gaps"]
         p99_alone, p99_beside = percentile(alone_all, 0.99), percentile(cold["gaps"], 0.99)
         p99_plain = percentile(plain["gaps"], 0.99)
-        rows.append({**base, "bench": "guided_cold_itl", "num_cold_streams": 8, "max_tokens": out_len,
+        rows.append({**base, "bench": "guided_cold_itl", "num_cold_streams": 8, "max_tokens": itl_len,
                      "num_gaps": len(cold["gaps"]),
                      "itl_p99_alone_ms": round(p99_alone, 2), "itl_p99_beside_cold_ms": round(p99_beside, 2),
                      "itl_p50_alone_ms": round(percentile(alone_all, 0.5), 2),
@@ -996,6 +999,8 @@ def main() -> None:
                         help="Also the cold runs: batch --batch with a schema per row nobody sent before, and an "
                              "unconstrained stream's ITL beside 8 cold-schema streams.")
     parser.add_argument("--cold-decode-tokens", type=int, default=48)
+    parser.add_argument("--cold-itl-tokens", type=int, default=128,
+                        help="Tokens per stream in the cold ITL runs (the gaps its p99 is taken over).")
     parser.add_argument("--cold-decode-pairs", type=int, default=2,
                         help="Cold batches, each followed by its unconstrained twin (interleaved against the load).")
     parser.add_argument("--cold-shapes", default="tiny,0.6b",
