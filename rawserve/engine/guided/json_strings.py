@@ -22,10 +22,10 @@ _U_ESCAPE = alt(
 CHAR = alt(_PLAIN, seq(lit("\\"), chars('"\\/bfnrt')), _U_ESCAPE)
 STRING = seq(lit('"'), Repeat(CHAR, 0, None), lit('"'))
 # A plain string's body after its opening quote. A schema's plain strings, and any JSON value's, all refer to one
-# rule of it (SchemaCompiler.plain_string), which the NFA calls rather than inlines once two use it (its 69 nodes are over
-# nfa.INLINE_MAX_NODES): a configuration inside any of them is then the same NFA states on another stack, and cut
-# to no frames one configuration, so the string lexeme's pairing (lexemes.LexemeWalk.match) is proven once per
-# schema, not once per property (a 20-property schema's first pass: 19% fewer configurations).
+# rule of it (SchemaCompiler.plain_string), which the NFA calls rather than inlines once two use it (its 69 nodes
+# are over nfa.INLINE_MAX_NODES): a configuration inside any of them is then the same NFA states on another stack,
+# and cut to no frames one configuration, so the string lexeme's pairing (lexemes.LexemeWalk.match) is proven once
+# per schema, not once per property (a 20-property schema's first pass: 19% fewer configurations).
 STRING_BODY = seq(Repeat(CHAR, 0, None), lit('"'))
 _JSON_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 

@@ -324,7 +324,7 @@ class GrammarRuntime:
         lone_thread, lone_edges, state_covers, lone_config = a.lone_thread, a.lone_edges, a.state_covers, a.lone_config
         may_pair = string_lexer().may_pair
         below_quote, below_tail = self._lexeme.walk_below, self._tail.walk_below
-        # int64 arrays: a string's kept close sets (below_quote) are copied in whole, and _build keeps them as they are
+        # int64 arrays: a string's kept close sets (below_quote) are copied in whole, and _build keeps them so
         certain = array("q")
         uncertain = array("q")
         budget = PY_WALK_BUDGET
