@@ -440,43 +440,29 @@ class Automaton:
                 runs = self._alive[cid] = row_alive_runs(row)
         return runs
 
-    def run_steps(self, cid: int, runs: Sequence[tuple[int, int, int]], starts: Sequence[int]) -> list[int] | None:
-        """Per run (lo, hi, _) of bytes (the runs tile 0-255 in order; `starts` their first bytes), where every byte
-        of it leads from cid, when no byte edge of cid's threads begins or ends inside a run (so all its bytes move
-        the same threads); None otherwise, or when cid is expanded or DEAD (read the row instead). cid's row is left
-        unbuilt: a pairing with the string lexer reads 30 configurations inside a character per place of a counted
-        string this way, and builds none of their 256-entry rows. Read edge by edge, each placed among the runs by
-        bisection: a character's dozen edges against the lexer start's 16 runs were 192 comparisons a configuration,
-        most of a counted string's first pairings."""
+    def run_steps(self, cid: int, runs: Sequence[tuple[int, int, int]]) -> list[int] | None:
+        """Per run (lo, hi, _) of bytes (covering 0-255), where every byte of it leads from cid, when no byte edge of
+        cid's threads begins or ends inside a run (so all its bytes move the same threads); None otherwise, or when
+        cid is expanded or DEAD (read the row instead). cid's row is left unbuilt: a pairing with the string lexer
+        reads 30 configurations inside a character per place of a counted string this way, and builds none of their
+        256-entry rows."""
         if cid == DEAD or self.next_byte[cid][0] >= 0:
             return None
-        moved: list[list[tuple[int, int]] | None] = [None] * len(runs)
-        for row, sid in self._edges(cid):
-            for lo, hi, t in row:
-                first = bisect_right(starts, lo) - 1
-                if starts[first] != lo:  # it begins inside a run
-                    return None
-                last = first
-                while runs[last][1] < hi:
-                    last += 1
-                if runs[last][1] != hi:  # it ends inside one
-                    return None
-                for i in range(first, last + 1):
-                    threads = moved[i]
-                    if threads is None:
-                        moved[i] = [(t, sid)]
-                    else:
-                        threads.append((t, sid))
+        edges = self._edges(cid)
         closed = self._moved
         out = []
-        for threads in moved:
-            if threads is None:
-                out.append(DEAD)
-                continue
-            key = threads[0] if len(threads) == 1 else tuple(threads)
+        for lo, hi, _ in runs:
+            moved = []
+            for row, sid in edges:
+                for e_lo, e_hi, t in row:
+                    if e_lo <= lo and hi <= e_hi:
+                        moved.append((t, sid))
+                    elif e_lo <= hi and lo <= e_hi:
+                        return None
+            key = moved[0] if len(moved) == 1 else tuple(moved)
             nxt = closed.get(key)
             if nxt is None:
-                nxt = closed[key] = self._intern(self._closure(threads))
+                nxt = closed[key] = self._intern(self._closure(moved)) if moved else DEAD
             out.append(nxt)
         return out
 
@@ -533,7 +519,7 @@ class Automaton:
         collection walked). Made at each read, not kept: a narrow configuration's are read by its walk (edge_runs)
         and by each step_some, three to five times a mask, but kept they were ~1,000 tuples a json_object pass that
         lived to its young collection (a quarter of what that one walked, inside a mask), where made anew they die
-        at once and cost no more CPU (the rows they pair are read at C level)."""
+        at once (a pass no slower within the box's noise: the rows they pair are read at C level)."""
         byte_edges, mark, any_byte = self.g.byte_edges, self.mark, self._any_byte
         read = self._read_bytes
         groups = []

@@ -20,7 +20,6 @@ _U_ESCAPE = alt(
     seq(lit("\\u"), chars("dD"), chars("89abAB"), HEX, HEX,
         lit("\\u"), chars("dD"), chars("cdefCDEF"), HEX, HEX))
 CHAR = alt(_PLAIN, seq(lit("\\"), chars('"\\/bfnrt')), _U_ESCAPE)
-STRING = seq(lit('"'), Repeat(CHAR, 0, None), lit('"'))
 # A plain string's body after its opening quote. A schema's plain strings, and any JSON value's, all refer to one
 # rule of it (SchemaCompiler.plain_string), which the NFA calls rather than inlines once two use it (its 69 nodes
 # are over nfa.INLINE_MAX_NODES): a configuration inside any of them is then the same NFA states on another stack,

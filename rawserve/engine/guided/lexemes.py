@@ -61,7 +61,6 @@ class StringLexer:
         self.close_bytes = [b for b in range(256) if a.next_byte[a.start][b] == self.close]
         self.rows = [a.next_byte[c] if c != DEAD else [DEAD] * 256 for c in range(a.num_configs)]
         self.segments: list[list[tuple[int, int, int]]] = []
-        self.segment_starts: list[tuple[int, ...]] = []  # per state, its runs' first bytes (Automaton.run_steps)
         self.by_alive: dict[tuple[tuple[int, int], ...], list[int]] = {}
         for c, row in enumerate(self.rows):
             runs, lo = [], 0
@@ -70,7 +69,6 @@ class StringLexer:
                     runs.append((lo, b - 1, row[lo]))
                     lo = b
             self.segments.append(runs)
-            self.segment_starts.append(tuple(lo for lo, _, _ in runs))
             if c not in (DEAD, self.close):
                 self.by_alive.setdefault(row_alive_runs(row), []).append(c)
         # each alive set of by_alive as a bitmask (bit b: byte b): LexemeWalk.match's refusal before a row is built
@@ -109,9 +107,8 @@ def _row_moves(row: list[int], segments: list[tuple[int, int, int]]) -> list[tup
 def _config_moves(a: Automaton, cid: int, state: int) -> list[tuple[int, int]] | None:
     """_row_moves of cid's row along lexer state `state`'s runs, read run by run without building the row where
     cid's edges allow (Automaton.run_steps)."""
-    lexer = string_lexer()
-    segments = lexer.segments[state]
-    nexts = a.run_steps(cid, segments, lexer.segment_starts[state])
+    segments = string_lexer().segments[state]
+    nexts = a.run_steps(cid, segments)
     if nexts is None:
         return _row_moves(a.expand(cid), segments)
     moves = []
