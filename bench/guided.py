@@ -785,7 +785,8 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                 for i in range(n)]
 
     def counters() -> tuple:
-        return (registry.num_sat_out, registry.grace_wait_s, registry.idle_wait_s, *registry.mask_build_totals())
+        return (registry.num_sat_out, registry.grace_wait_s, registry.idle_wait_s, *registry.mask_build_totals(),
+                registry.helper_cpu_s or 0.0)
 
     def run(tag: str, rids: list[tuple[str, list[int], object, int]], watch: str | None = None) -> dict:
         """Requests (rid, prompt, grammar or None, length: max_tokens, or, for an unconstrained twin, the exact
@@ -819,6 +820,7 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                 "sat_out": after[0] - before[0], "grace_ms": (after[1] - before[1]) * 1e3,
                 "idle_ms": (after[2] - before[2]) * 1e3, "masks_built": after[3] - before[3],
                 "build_ms": (after[4] - before[4]) * 1e3, "build_cpu_ms": (after[5] - before[5]) * 1e3,
+                "helper_cpu_ms": (after[6] - before[6]) * 1e3, "step_ms_total": sum(s[0] for s in steps) * 1e3,
                 "grace_max_ms": registry.grace_wait_max_s * 1e3}
 
     def decode_rate(result: dict) -> tuple[int, float]:
@@ -866,6 +868,7 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                      "num_masks_built": sum(c["masks_built"] for c in colds),
                      "mask_build_ms_total": round(sum(c["build_ms"] for c in colds), 1),
                      "mask_build_cpu_ms_total": round(sum(c["build_cpu_ms"] for c in colds), 1),
+                     "helper_cpu_ms_total": round(sum(c["helper_cpu_ms"] for c in colds), 1),
                      "load_avg_1m": round(os.getloadavg()[0], 2)})
         print(json.dumps(rows[-1]), flush=True)
 
@@ -875,6 +878,9 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                        + [(f"g{i}", p, g, length) for i, (p, g, length) in enumerate(beside)], watch="plain")
 
         side = prompts[1:9]
+        threads = torch.get_num_threads()
+        if args.cold_itl_threads:  # a core or more left to the helper, as a GPU box leaves them all
+            torch.set_num_threads(args.cold_itl_threads)
         alone = itl_run("i0", [])
         cold = itl_run("i1", [(p, g, itl_len) for p, g in zip(side, grammars(8, "i1"))])
         alone_after = itl_run("i2", [])
@@ -882,10 +888,12 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
         # for their share of the forward whatever they are (on the tiny shape most of the gap); this run tells the
         # guided part apart
         plain = itl_run("i3", [(p, None, (cold["lengths"][f"g{i}"],)) for i, p in enumerate(side)])
+        torch.set_num_threads(threads)
         alone_all = alone["gaps"] + alone_after["gaps"]
         p99_alone, p99_beside = percentile(alone_all, 0.99), percentile(cold["gaps"], 0.99)
         p99_plain = percentile(plain["gaps"], 0.99)
         rows.append({**base, "bench": "guided_cold_itl", "num_cold_streams": 8, "max_tokens": itl_len,
+                     "torch_threads": args.cold_itl_threads or threads,
                      "num_gaps": len(cold["gaps"]),
                      "itl_p99_alone_ms": round(p99_alone, 2), "itl_p99_beside_cold_ms": round(p99_beside, 2),
                      "itl_p50_alone_ms": round(percentile(alone_all, 0.5), 2),
@@ -897,6 +905,16 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                      "ratio_p99_vs_same_batch_unconstrained": round(p99_beside / p99_plain, 3),
                      "num_row_steps_sat_out": cold["sat_out"], "grace_wait_ms_total": round(cold["grace_ms"], 1),
                      "mask_build_ms_total": round(cold["build_ms"], 1),
+                     # What the helper thread's mask work cost the steps: the cold run's steps over the same batch
+                     # unconstrained, against the helper's own CPU. With a core to spare (a GPU box) the steps
+                     # should pay none of it; a step that waits for the GIL after each torch op while the helper
+                     # walks in Python pays a multiple of it (the convoy: see mask_worker.BUSY_SWITCH_INTERVAL_S).
+                     "step_ms_total_beside_cold": round(cold["step_ms_total"], 1),
+                     "step_ms_total_beside_unconstrained": round(plain["step_ms_total"], 1),
+                     "helper_cpu_ms_beside_cold": round(cold["helper_cpu_ms"], 1),
+                     "step_ms_extra_per_helper_cpu_ms": round((cold["step_ms_total"] - plain["step_ms_total"])
+                                                              / cold["helper_cpu_ms"], 2)
+                     if cold["helper_cpu_ms"] > 0 else None,
                      "load_avg_1m": round(os.getloadavg()[0], 2)})
         print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -1001,6 +1019,9 @@ def main() -> None:
     parser.add_argument("--cold-decode-tokens", type=int, default=48)
     parser.add_argument("--cold-itl-tokens", type=int, default=128,
                         help="Tokens per stream in the cold ITL runs (the gaps its p99 is taken over).")
+    parser.add_argument("--cold-itl-threads", type=int, default=0,
+                        help="torch's threads for the cold ITL runs (0: as the rest of the run), e.g. 1 on a 2-CPU "
+                             "box to leave a core to the mask helper, as a GPU box does.")
     parser.add_argument("--cold-decode-pairs", type=int, default=2,
                         help="Cold batches, each followed by its unconstrained twin (interleaved against the load).")
     parser.add_argument("--cold-shapes", default="tiny,0.6b",

@@ -114,3 +114,38 @@ def test_closing_a_busy_helper_restores_the_switch_interval():
         w.close()
     assert sys.getswitchinterval() == pytest.approx(before)
     sys.setswitchinterval(before)
+
+
+class SpinningRuntime:
+    """A build that keeps the CPU busy for `spin_s` of this thread's CPU time."""
+
+    def __init__(self, spin_s: float) -> None:
+        self.spin_s = spin_s
+        self.built: list[int] = []
+
+    def build(self, cid: int) -> None:
+        began = time.thread_time()
+        while time.thread_time() - began < self.spin_s:
+            pass
+        self.built.append(cid)
+
+
+@pytest.mark.skipif(not hasattr(time, "pthread_getcpuclockid"), reason="no per-thread CPU clocks")
+def test_the_helpers_cpu_time_counts_its_work_and_not_its_waits(worker):
+    assert worker.wait_idle(5)
+    before = worker.cpu_s
+    gate = threading.Event()
+    waiting = FakeRuntime(gate)
+    worker.enqueue(FakeState(waiting), 1)
+    assert wait_for(lambda: worker.is_busy_with(waiting))
+    # the job blocks on its gate: the helper waits while this thread works (the process's CPU grows, not the helper's)
+    SpinningRuntime(0.2).build(0)
+    gate.set()
+    assert worker.wait_idle(5)
+    idle = worker.cpu_s - before
+    assert idle < 0.1
+    spinning = SpinningRuntime(0.15)
+    worker.enqueue(FakeState(spinning), 2)
+    assert wait_for(lambda: spinning.built == [2])
+    assert worker.wait_idle(5)
+    assert worker.cpu_s - before - idle >= 0.15

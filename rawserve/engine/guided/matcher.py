@@ -678,6 +678,11 @@ class GuidedRegistry:
     def num_masks_queued(self) -> int:
         return self._worker.num_queued
 
+    @property
+    def helper_cpu_s(self) -> float | None:
+        """The mask helper thread's CPU seconds so far (benches; None where there is no per-thread clock)."""
+        return self._worker.cpu_s
+
     def build_ahead(self, states: list[GuidedState]) -> bool:
         """Claim `states`' runtimes for this step (waiting for a mask the helper is building on one) and start
         building, on the helper thread, the masks they need now and do not have. False if none is missing. The
