@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rawserve.engine.guided.grammar import Grammar, lit
 from rawserve.engine.guided.matcher import GrammarRuntime, GuidedState, apply_masks
 from rawserve.engine.guided.nfa import compile_grammar
-from rawserve.engine.guided.token_mask import SHORT_MAX_IDS, TokenMask, id_tensor
+from rawserve.engine.guided.token_mask import SHORT_MAX_IDS, TokenMask, apply_rows, id_tensor
 from rawserve.engine.guided.vocab import VocabIndex
 
 V = 1000
@@ -103,3 +104,73 @@ def test_a_short_mask_on_a_float32_cpu_row_runs_no_torch_op(monkeypatch):
     TokenMask.short([0, 9, V - 1], True).apply(row, [4])
     monkeypatch.undo()
     assert torch.equal(row, expected(before, [0, 9, V - 1], [4]))
+
+
+def test_masking_many_rows_at_once_masks_each_as_its_own_apply_does():
+    """apply_rows (a GPU step's masks in a dozen ops) against each mask's apply() and the element-by-element
+    expectation: allow and ban lists, accepting or not, one that allows nothing, end ids inside a ban list and
+    among an allow list's ids, rows left unconstrained between them."""
+    gen = torch.Generator().manual_seed(7)
+    banned = (2, 3, 40, 41)
+    masks = [  # (mask, end ids, the ids it leaves as they are)
+        (TokenMask(True, id_tensor([1, 9, 500]), 3, False), [3], [1, 9, 500]),
+        (TokenMask(True, id_tensor([1, 9, 500]), 3, True), [3, 998], [1, 9, 500, 3, 998]),
+        (TokenMask(True, id_tensor([3, 4]), 2, True), [3], [3, 4]),  # an end id among the allowed ones
+        (TokenMask(True, id_tensor([]), 0, False), [7], [7]),  # allows nothing: the end id stays
+        (TokenMask(False, id_tensor(banned), V - 4, False), [3], [i for i in range(V) if i not in banned]),
+        # accepting: the end id 3, banned by the grammar's list, stays
+        (TokenMask(False, id_tensor(banned), V - 4, True), [3], [i for i in range(V) if i not in banned or i == 3]),
+        (TokenMask.short([5, 6], True), [8], [5, 6, 8]),
+    ]
+    logits = torch.randn(10, V, generator=gen)
+    rows = [(row, m, eos) for row, (m, eos, _) in zip((0, 2, 3, 5, 7, 8, 9), masks)]
+    one_by_one, at_once = logits.clone(), logits.clone()
+    for row, mask, eos in rows:
+        mask.apply(one_by_one[row], eos)
+    apply_rows(at_once, rows)
+    assert torch.equal(at_once, one_by_one)
+    for (row, _, _), (_, _, kept) in zip(rows, masks):
+        assert torch.equal(at_once[row], expected(logits[row], kept, []))
+    assert torch.equal(at_once[[1, 4, 6]], logits[[1, 4, 6]])
+
+
+def test_masking_no_rows_at_once_changes_nothing():
+    logits = torch.randn(2, V)
+    before = logits.clone()
+    apply_rows(logits, [])
+    assert torch.equal(logits, before)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the torch ops that run (views left out): on a GPU each is a kernel launch the host pays for."""
+
+    VIEWS = {"select", "slice", "view", "alias", "_unsafe_view", "lift_fresh", "detach", "as_strided"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in self.VIEWS:
+            self.num_ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_masking_many_rows_at_once_takes_a_fixed_number_of_torch_ops():
+    rows = []
+    for i in range(32):  # allow lists, accepting or not, and ban lists, as a GPU step's rows hold them
+        if i % 3 == 2:
+            rows.append((i, TokenMask(False, id_tensor(range(i, V, 7)), V - len(range(i, V, 7)), i % 2 == 0), [3]))
+        else:
+            rows.append((i, TokenMask(True, id_tensor([i, 100 + i, 900]), 3, i % 2 == 0), [3]))
+    logits = torch.randn(32, V)
+    apply_rows(logits, rows)  # the end ids' tensor made once
+    with CountOps() as at_once:
+        apply_rows(logits, rows)
+    with CountOps() as eight:
+        apply_rows(logits, rows[:8])
+    with CountOps() as row_by_row:
+        for i, mask, eos in rows:
+            mask.apply(logits[i], eos)
+    assert at_once.num_ops == eight.num_ops <= 20
+    assert row_by_row.num_ops >= 3 * 32
