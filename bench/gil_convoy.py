@@ -6,10 +6,10 @@ python -m bench.gil_convoy [--ops 800] [--width 256] [--steps 15] [--switch-inte
 
 The step stands in for a GPU box's host side (kernel launches, the sampler's small ops) or a small model's CPU
 forward: `--ops` matrix-vector products of `--width`, each of which releases the GIL (`--ops 8 --width 4096`:
-a few long ops, a large model's CPU forward). The helper is the real
-mask work (matcher.GrammarRuntime), walking cold nested20 variants one after another, as the guided helper
-thread does for new schemas. torch runs `--threads` threads (1 by default: a core left to the helper, as a GPU
-box leaves them), so what the step pays beside the helper is the GIL's hand-overs, not a shared core.
+a few long ops, a large model's CPU forward). The helper is the real mask work (matcher.GrammarRuntime), walking
+cold nested20 variants one after another, as the guided helper thread does for new schemas. torch runs
+`--threads` threads (1 by default: a core left to the helper, as a GPU box leaves them), so what the step pays
+beside the helper is the GIL's hand-overs, not a shared core.
 
 One JSON line per switch interval: the step's median ms alone and beside the helper, the helper's own CPU ms
 over the steps beside it, and the step's extra ms per helper CPU ms: ~0 where the two overlap as a spare core
