@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from rawserve.config import EngineConfig
 from rawserve.engine.core import EngineCore
@@ -35,8 +36,12 @@ NESTED = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def core(large_vocab_model_dir):
-    return EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=512,
+    # closed at the module's end: a core left open kept its guided helper thread alive into the interpreter's
+    # teardown, and running this module alone then aborted at exit about one time in two
+    core = EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=512,
                                    max_model_len=1024))
+    yield core
+    core.close()
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +147,12 @@ def test_greedy_guided_output_survives_preemption(large_vocab_model_dir, tok):
     def go(num_blocks: int) -> dict:
         small = EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", block_size=4,
                                         num_kv_blocks=num_blocks, max_model_len=256))
-        outs = run(small, {f"p{i}": (prompt + [i + 100], SamplingParams(max_tokens=50, temperature=0,
-                                                                         guided=compiled)) for i in range(6)})
-        return outs, small.scheduler.num_preemptions
+        try:
+            outs = run(small, {f"p{i}": (prompt + [i + 100], SamplingParams(max_tokens=50, temperature=0,
+                                                                             guided=compiled)) for i in range(6)})
+            return outs, small.scheduler.num_preemptions
+        finally:
+            small.close()
 
     big, _ = go(256)
     tight, preemptions = go(16)
@@ -172,11 +180,44 @@ def test_the_vocabulary_index_is_read_at_the_first_guided_request_once_cached(la
     vocab_size = read_model_config(large_vocab_model_dir).vocab_size
     vocab.load_vocab_index(large_vocab_model_dir, vocab_size)  # the cache exists now
     lazy = EngineCore(config)
-    assert lazy._guided is None
-    outs = run(lazy, {"g": (tok.encode("Count:"), SamplingParams(max_tokens=8, temperature=0, guided=compiled))})
-    assert re.fullmatch(r"[0-9]{3}", text_of(tok, outs["g"][0])) and lazy._guided is not None
+    try:
+        assert lazy._guided is None
+        outs = run(lazy, {"g": (tok.encode("Count:"), SamplingParams(max_tokens=8, temperature=0, guided=compiled))})
+        assert re.fullmatch(r"[0-9]{3}", text_of(tok, outs["g"][0])) and lazy._guided is not None
+    finally:
+        lazy.close()
     # No cache file can be written (and none is there): built at start, kept.
     (tmp_path / "a-file").write_text("")  # a file where the cache's folder would be: nothing can be written
     monkeypatch.setattr(vocab, "_cache_path", lambda model_dir, key: [tmp_path / "a-file" / key])
     eager = EngineCore(config)
-    assert eager._guided is not None
+    try:
+        assert eager._guided is not None
+    finally:
+        eager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_guided_rows_on_cuda_validate_and_leave_unconstrained_rows_alone(large_vocab_model_dir, tok):
+    """On a GPU the step masks its constrained rows all at once (token_mask.apply_rows, from ROWS_AT_ONCE_MIN rows;
+    row by row once fewer are left): every constrained output validates, and an unconstrained row in the batch
+    samples what it samples alone."""
+    from rawserve.engine.guided.json_schema import schema_to_grammar
+
+    gpu = EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cuda", dtype="float32",
+                                  num_kv_blocks=256, max_model_len=512))
+    compiled = compile_grammar(schema_to_grammar(WEATHER), json.dumps(WEATHER))
+    prompt = tok.encode("JSON please:")
+    free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        alone = run(gpu, {"free": (prompt, free)})["free"][0]
+        outs = run(gpu, {"free": (prompt, free),
+                         **{f"g{s}": (prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=s, guided=compiled))
+                            for s in range(8)}})
+    finally:
+        gpu.close()
+    assert outs["free"][0] == alone
+    for s in range(8):
+        ids, reason = outs[f"g{s}"]
+        assert reason == "stop", text_of(tok, ids)
+        jsonschema.validate(json.loads(text_of(tok, ids)), WEATHER)

@@ -169,16 +169,8 @@ def apply_rows(logits: torch.Tensor, rows: list[tuple[int, TokenMask, Sequence[i
     # (pinned and not waited for on a GPU: a plain copy from pageable memory would wait for the forward to end)
     meta = torch.tensor(allow_rows + counts_a + ban_rows + counts_b + kept_rows + kept_ids, dtype=torch.int64,
                         pin_memory=device.type == "cuda").to(device, non_blocking=True)
-    at = 0
-
-    def take(n: int) -> torch.Tensor:
-        nonlocal at
-        at += n
-        return meta[at - n:at]
-
-    allow_at, counts_a_at, ban_at, counts_b_at = take(len(allow_rows)), take(len(counts_a)), take(len(ban_rows)), \
-        take(len(counts_b))
-    kept_rows_at, kept_ids_at = take(len(kept_rows)), take(len(kept_ids))
+    allow_at, counts_a_at, ban_at, counts_b_at, kept_rows_at, kept_ids_at = meta.split(
+        [len(allow_rows), len(counts_a), len(ban_rows), len(counts_b), len(kept_rows), len(kept_ids)])
     if ban_rows:
         saved = logits[kept_rows_at, kept_ids_at] if kept_rows else None
         rows_of = torch.repeat_interleave(ban_at, counts_b_at, output_size=sum(counts_b))
