@@ -25,7 +25,19 @@ log = logging.getLogger("bench.checkpoints")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 CACHE_ROOT = REPO_ROOT / ".bench_models"
-QWEN3_TOKENIZER = REPO_ROOT.parent / "shared" / "fixtures" / "qwen3-tokenizer"
+
+
+def _fixtures_root() -> pathlib.Path:
+    """../shared/fixtures beside the checkout, or RAWSERVE_TEST_FIXTURES (as for the tests), or a shared/fixtures inside
+    the checkout where there is one: only a shared/ inside the checkout reaches a device machine (bench/gpu_check.sh
+    says what to copy there)."""
+    if os.environ.get("RAWSERVE_TEST_FIXTURES"):
+        return pathlib.Path(os.environ["RAWSERVE_TEST_FIXTURES"])
+    inside = REPO_ROOT / "shared" / "fixtures"
+    return inside if inside.is_dir() else REPO_ROOT.parent / "shared" / "fixtures"
+
+
+QWEN3_TOKENIZER = _fixtures_root() / "qwen3-tokenizer"
 
 QWEN3_06B = Qwen3Shape(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,

@@ -4,7 +4,7 @@ Qwen3 tokenizer, side by side in one run: compile, per-token masks, and batch-32
 python -m bench.guided [--passes 5] [--cold-rounds 5] [--batch 32] [--decode-tokens 8] [--skip-decode]
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
                        [--cold-decode] [--cold-decode-tokens 48] [--cold-decode-pairs 2] [--cold-itl-tokens 128]
-                       [--cold-shapes tiny,0.6b]
+                       [--cold-shapes tiny,0.6b] [--device cpu|cuda] [--attention-backend torch|triton]
                        [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
                        [--lexeme-ab-part all|counted|tail]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
@@ -44,6 +44,8 @@ an unconstrained stream's ITL p99 alone and beside 8 cold-schema streams, and be
 (the same batch of 9 without grammars: what the batch costs that stream apart from the guided work), over
 --cold-itl-tokens tokens a stream (the p99 of 47 gaps was their largest, one spike of a shared box). The targets
 are judged on the 0.6b shape (JUDGED_SHAPE): on the tiny one a forward takes milliseconds and any mask CPU shows.
+--device cuda runs them on a GPU in bf16 (bench/gpu_check.sh does): the ITL target compares a batch of 9 with a batch
+of 1, which a GPU's decode prices about alike and a CPU's does not.
 Masks are built on the core's helper thread ahead of need; a row whose mask is late samples in a later step
 (num_row_steps_sat_out), and the rows report what steps waited.
 """
@@ -761,21 +763,28 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
     from rawserve.engine.guided.nfa import compile_grammar
     from rawserve.engine.types import SamplingParams
 
-    model_dir = str(ensure_qwen3_06b_shape("float32", shape=shape))
-    base = {**base, "shape": shape, "judged": shape == JUDGED_SHAPE}
+    # a GPU runs the shape in bf16 through the paged triton kernels and, by default, decode steps from CUDA graphs:
+    # what a server there runs, and where a step is milliseconds, so the helper's masks must keep up with it
+    on_gpu = args.device == "cuda"
+    dtype = "bfloat16" if on_gpu else "float32"
+    model_dir = str(ensure_qwen3_06b_shape(dtype, shape=shape))
+    base = {**base, "shape": shape, "judged": shape == JUDGED_SHAPE, "device": args.device, "dtype": dtype}
     batch, out_len, itl_len = args.batch, args.cold_decode_tokens, args.cold_itl_tokens
     prompts = [tokenizer.encode(f"Record #{i}: reply with one JSON object.") for i in range(batch)]
     max_prompt = max(len(p) for p in prompts)
     longest = max(out_len, itl_len)
     seq_blocks = -(-(max_prompt + longest + 8) // 16)
-    config = EngineConfig(model_dir=model_dir, device="cpu", dtype="float32", block_size=16,
+    config = EngineConfig(model_dir=model_dir, device=args.device, dtype=dtype, block_size=16,
                           num_kv_blocks=2 * batch * seq_blocks + 16, max_num_seqs=batch,
-                          max_num_batched_tokens=4096, max_model_len=max_prompt + longest + 8)
-    log.info("cold decode: %s shape", shape)
+                          max_num_batched_tokens=4096, max_model_len=max_prompt + longest + 8,
+                          attention_backend=args.attention_backend or ("triton" if on_gpu else "torch"))
+    log.info("cold decode: %s shape on %s (%s)", shape, args.device, dtype)
     core = EngineCore(config)
     registry = core.guided_registry()
     registry.wait_idle()  # the vocabulary's plain split: engine start-up
-    forward = ForwardTimer(core.runner)
+    # on a GPU the timer's synchronize around each forward would keep the host from running ahead of the device, the
+    # overlap the step is built on: the forward is not timed there
+    forward = None if on_gpu else ForwardTimer(core.runner)
     rows = []
 
     def grammars(n: int, tag: str) -> list:
@@ -804,7 +813,7 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
             began = time.perf_counter()
             outs = core.step()
             now = time.perf_counter()
-            steps.append((now - began, sum(len(o.new_token_ids) for o in outs), forward.last_s))
+            steps.append((now - began, sum(len(o.new_token_ids) for o in outs), forward.last_s if forward else None))
             for o in outs:
                 rid = o.request_id.removeprefix(f"{tag}-")
                 outputs.setdefault(rid, []).extend(o.new_token_ids)
@@ -855,8 +864,9 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                      "cold_step_ms_p50": round(percentile([s[0] * 1e3 for s in cold_steps], 0.5), 2),
                      "cold_step_ms_max": round(max(s[0] for s in cold_steps) * 1e3, 2),
                      "unconstrained_step_ms_p50": round(percentile([s[0] * 1e3 for s in plain_steps], 0.5), 2),
-                     "cold_forward_ms_p50": round(percentile([s[2] * 1e3 for s in cold_steps], 0.5), 2),
-                     "unconstrained_forward_ms_p50": round(percentile([s[2] * 1e3 for s in plain_steps], 0.5), 2),
+                     "cold_forward_ms_p50": forward and round(percentile([s[2] * 1e3 for s in cold_steps], 0.5), 2),
+                     "unconstrained_forward_ms_p50": forward and round(
+                         percentile([s[2] * 1e3 for s in plain_steps], 0.5), 2),
                      # row-steps whose sample waited for a mask (Scheduler.ready keeps such a row out), what the
                      # steps waited for masks after their forwards (the grace) and, with nothing else to run, for
                      # the helper
@@ -1026,6 +1036,13 @@ def main() -> None:
                         help="Cold batches, each followed by its unconstrained twin (interleaved against the load).")
     parser.add_argument("--cold-shapes", default="tiny,0.6b",
                         help="The model shapes the cold runs use (the target is judged on 0.6b's).")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="Where the cold runs' engine runs: cpu (float32, torch attention) or cuda (bf16, the "
+                             "triton kernels, CUDA graphs as the engine's auto). Masks are built on the host either "
+                             "way; everything else in this bench is host-only.")
+    parser.add_argument("--attention-backend", default=None, choices=("torch", "triton"),
+                        help="The cold runs' attention (default: triton on cuda, torch on cpu; triton on a CPU needs "
+                             "TRITON_INTERPRET=1, as bench/gpu_check.sh --device cpu sets).")
     parser.add_argument("--only-ours", action="store_true", help="Skip xgrammar and llguidance.")
     parser.add_argument("--lexeme-ab", type=int, default=0, metavar="ROUNDS",
                         help="Only the first-pass CPU of ours with the string lexeme's shared sets off and on, in "
