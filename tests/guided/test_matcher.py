@@ -169,6 +169,31 @@ def test_wide_mask_bans_and_narrow_mask_allows_give_the_same_logits():
                           vocab).mask(0).is_allow_list  # the dead configuration allows nothing
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_masks_built_for_a_gpu_do_not_wait_for_its_queued_work_and_equal_the_cpus():
+    """The helper thread builds masks while the step's forward runs on the GPU: placing a new mask's ids there must
+    not wait for that work (a copy from pageable memory would), and the masks equal the CPU's."""
+    tokens, specials = small_vocab()
+    vocab = VocabIndex(tokens, specials, len(tokens))
+    on_cpu = GrammarRuntime(compile_grammar(GRAMMARS["nested"], "nested"), vocab)
+    on_gpu = GrammarRuntime(compile_grammar(GRAMMARS["nested"], "nested"), vocab, "cuda")
+    cids = [on_cpu.start]
+    for text in (b'{', b'{"a', b'{"a":', b'{"a":[', b'{"a":["b",'):  # the same configurations on both
+        cids.append(on_cpu.automaton.step_bytes(on_cpu.start, text))
+        assert cids[-1] != DEAD and on_gpu.automaton.step_bytes(on_gpu.start, text) == cids[-1]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)  # ~2 s of the GPU's clock: the step's forward
+    queued = torch.cuda.Event()
+    queued.record()
+    masks = [on_gpu.mask(cid) for cid in cids]
+    assert not queued.query(), "a mask build waited for the work queued on the GPU"
+    torch.cuda.synchronize()
+    for cid, mask in zip(cids, masks):
+        assert mask.ids.is_cuda
+        assert torch.equal(mask.allowed(vocab.vocab_size), on_cpu.mask(cid).allowed(vocab.vocab_size)), cid
+
+
 def test_automaton_agrees_with_the_reference_matcher_on_a_recursive_grammar():
     rules = {"root": Ref("expr"),
              "expr": seq(Ref("term"), Repeat(seq(byte_set([(43, 43), (45, 45)]), Ref("term")), 0, None)),
