@@ -249,6 +249,10 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, update. One output per request that got a token this step; a
         request in the middle of its prompt outputs nothing until the chunk that finishes it."""
+        guided = self._guided
+        yielding = guided is not None and guided.yields_to_step
+        if yielding:  # the mask helper builds while the forward runs and while the step waits, not beside its host code
+            guided.hold_floor()
         try:
             if self._deferred:  # rows whose masks were built since their logits came: sampled now, in time for this
                 early = self._sample_deferred()  # step's forward
@@ -259,6 +263,8 @@ class EngineCore:
         finally:
             if self._guided is not None:  # the grammars the step held go back to the guided helper thread
                 self._guided.end_step()
+            if yielding:
+                guided.release_floor()
 
     def _step(self) -> list[RequestOutput]:
         if self.spec is not None:  # drafts for the rows about to decode, which the scheduler then sizes
@@ -292,15 +298,24 @@ class EngineCore:
         ahead = self._guided.build_ahead([r.guided for r in (plan.sample_reqs if self._deferred is None else [])
                                           + [s.req for s in plan.spec_spans] if r.guided is not None]) \
             if self._guided is not None else None
+        # a helper that yields to the step's host code builds during the forward, which on a GPU means until the
+        # device is done with it: the step waits for that here, the floor lent, rather than in the sampler holding it
+        lend = self._guided is not None and self._guided.yields_to_step and (ahead or self._guided.has_work)
         began = time.perf_counter()
         try:
+            if lend:
+                self._guided.release_floor()
             if plan.pool_reqs:
                 logits, pooled = self.runner.execute_pooling(plan.batch)
                 self._add_pooled(plan, pooled)
             else:
                 logits = self.runner.execute(plan.batch)  # [len(plan.batch.logit_indices), V] float32
+            if lend and self.runner.device.type == "cuda":
+                torch.cuda.current_stream(self.runner.device).synchronize()
             self._forward_s = time.perf_counter() - began
         finally:
+            if lend:
+                self._guided.hold_floor()
             if ahead is not None:
                 self._guided.wait_ahead(ahead)
         if self.spec is not None:  # an MTP proposer drafts from the step's hidden states

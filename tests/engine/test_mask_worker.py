@@ -149,3 +149,43 @@ def test_the_helpers_cpu_time_counts_its_work_and_not_its_waits(worker):
     assert wait_for(lambda: spinning.built == [2])
     assert worker.wait_idle(5)
     assert worker.cpu_s - before - idle >= 0.15
+
+
+def test_while_the_step_holds_the_floor_no_job_starts_and_one_under_way_runs_on(worker):
+    assert worker.wait_idle(5)
+    gate = threading.Event()
+    running, queued = FakeRuntime(gate), FakeRuntime()
+    worker.enqueue(FakeState(running), 1)
+    assert wait_for(lambda: worker.is_busy_with(running))
+    worker.hold_floor()  # the step's host code runs
+    worker.enqueue(FakeState(queued), 2)
+    gate.set()
+    assert wait_for(lambda: running.built == [1])  # the job under way ran on
+    time.sleep(0.05)
+    assert queued.built == [] and worker.num_queued == 1 and worker.has_work
+    worker.release_floor()  # the forward runs
+    assert wait_for(lambda: queued.built == [2])
+    assert worker.wait_idle(5) and not worker.has_work
+
+
+def test_each_wait_of_the_steps_lends_the_floor_and_takes_it_back(worker):
+    assert worker.wait_idle(5)
+    worker.hold_floor()
+    first, later, urgent = FakeRuntime(), FakeRuntime(), FakeRuntime()
+    worker.enqueue(FakeState(first), 1)
+    worker.wait_until(lambda: first.built == [1], 5)  # the grace after a forward: timed out with the floor kept
+    assert first.built == [1]
+    worker.enqueue(FakeState(later), 2)
+    time.sleep(0.05)
+    assert later.built == []  # the floor is the step's again
+    state = FakeState(urgent)
+    state.config = 3
+    worker.claim(urgent)
+    worker.start_urgent([state])
+    waiter = threading.Thread(target=worker.wait_urgent)  # an urgent batch waited for: hung with the floor kept
+    waiter.start()
+    waiter.join(5)
+    assert not waiter.is_alive() and urgent.built == [3]
+    assert worker.wait_progress(5) < 5 and later.built == [2]  # nothing else could run: the helper's next job
+    worker.end_step()
+    worker.release_floor()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -194,6 +195,51 @@ def test_the_vocabulary_index_is_read_at_the_first_guided_request_once_cached(la
         assert eager._guided is not None
     finally:
         eager.close()
+
+
+def test_a_helper_yielding_to_the_steps_host_code_keeps_cold_outputs_valid_and_free_rows_alone(
+        large_vocab_model_dir, tok, monkeypatch):
+    """The helper as it runs on a GPU (GuidedRegistry.YIELD_TO_STEP), on the CPU: it builds only while the forward
+    runs and while the step waits. Eight rows, each with a schema no row had before, still validate, and a free row
+    in their batch samples what it samples alone."""
+    from rawserve.engine.guided.json_schema import schema_to_grammar
+    from rawserve.engine.guided.matcher import GuidedRegistry
+
+    monkeypatch.setattr(GuidedRegistry, "YIELD_TO_STEP", True)
+    yielding = EngineCore(EngineConfig(model_dir=str(large_vocab_model_dir), device="cpu", num_kv_blocks=512,
+                                       max_model_len=1024))
+    schemas = [{**WEATHER, "properties": {f"place_{i}": WEATHER["properties"]["location"],
+                                          "unit": WEATHER["properties"]["unit"]}, "required": [f"place_{i}"]}
+               for i in range(8)]
+    prompt = tok.encode("JSON please:")
+    free = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    try:
+        assert yielding.guided_registry().yields_to_step
+        alone = run(yielding, {"free": (prompt, free)})["free"][0]
+        outs = run(yielding, {"free": (prompt, free), **{
+            f"g{i}": (prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=i, guided=compile_grammar(
+                schema_to_grammar(schema), json.dumps(schema)))) for i, schema in enumerate(schemas)}})
+        # between steps the floor is the helper's: a new request's first mask builds with no step running
+        late = {**schemas[0], "properties": {"late": WEATHER["properties"]["location"]}, "required": ["late"]}
+        yielding.add_request("late", prompt, SamplingParams(max_tokens=60, guided=compile_grammar(
+            schema_to_grammar(late), json.dumps(late))))
+        registry = yielding.guided_registry()
+        deadline = time.monotonic() + 10
+        while registry.has_work and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not registry.has_work
+        for _ in range(500):
+            if not yielding.has_unfinished:
+                break
+            yielding.step()
+        assert not yielding.has_unfinished
+    finally:
+        yielding.close()
+    assert outs["free"][0] == alone
+    for i, schema in enumerate(schemas):
+        ids, reason = outs[f"g{i}"]
+        assert reason == "stop", text_of(tok, ids)
+        jsonschema.validate(json.loads(text_of(tok, ids)), schema)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ Core side. A runtime is either the step's (claimed, for the step's length) or th
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -58,6 +59,13 @@ class MaskWorker:
     (`claim`). An urgent batch is built on runtimes the step claimed and promises not to touch until
     `wait_urgent` returns (the forward runs meanwhile). A runtime whose rows all sit the step out goes back before
     the step ends (`release`). States and runtimes are hashed by identity.
+
+    The floor (`hold_floor`): while the step runs its own host code, the helper starts no job (one under way runs
+    on), and each wait of the step's lends it the floor back. The step holds it where its forward runs on a device:
+    there its host code is short runs of Python and kernel launches, each of which hands the GIL over, and beside a
+    helper walking in Python each hand-over waits for the helper (bench.gil_convoy: a step of 400 short ops around a
+    5 ms device wait took 15-16x its time beside a helper that always had work, 0.95-1.06x beside one that started
+    masks only in the wait, which built ~60 cold masks a step there).
     """
 
     def __init__(self, prepare: Callable[[], None]) -> None:
@@ -72,6 +80,7 @@ class MaskWorker:
         self.num_built = 0  # background masks built, in all
         self.build_s = 0.0  # the helper's time on them
         self._has_lowered = False  # this helper holds the GIL's switch interval lowered (it has work)
+        self._floor = False  # the step runs its host code: no job starts (hold_floor)
         self._thread = threading.Thread(target=self._run, args=(prepare,), name="guided-ahead", daemon=True)
         self._thread.start()
 
@@ -124,11 +133,40 @@ class MaskWorker:
                 self._claimed.clear()
                 self._cv.notify_all()
 
+    def hold_floor(self) -> None:
+        """The step's host code runs from now: start no job until release_floor (see the class)."""
+        with self._cv:
+            self._floor = True
+
+    def release_floor(self) -> None:
+        with self._cv:
+            if self._floor:
+                self._floor = False
+                self._cv.notify_all()
+
+    @property
+    def has_work(self) -> bool:
+        """Jobs are queued or under way (read without the lock: a hint)."""
+        return bool(self._queue) or self._busy is not None or self._urgent is not None
+
+    @contextlib.contextmanager
+    def _floor_lent(self):
+        """Inside a wait of the step's, under self._cv: the helper may start jobs meanwhile (they are what the step
+        waits for); the floor is the step's again after."""
+        held = self._floor
+        if held:
+            self._floor = False
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            self._floor = held
+
     def wait_progress(self, timeout_s: float) -> float:
         """Nothing could run: block until the helper finishes a job (or timeout_s), without a spin -> seconds
         waited. Returns at once when it has nothing to do."""
         began = time.perf_counter()
-        with self._cv:
+        with self._cv, self._floor_lent():
             seen = self._num_done
             self._cv.wait_for(lambda: self._num_done != seen or self._closing
                               or (not self._queue and self._busy is None), timeout_s)
@@ -136,7 +174,7 @@ class MaskWorker:
 
     def wait_until(self, is_done: Callable[[], bool], timeout_s: float) -> None:
         """Block until is_done() (checked as each job ends), or timeout_s."""
-        with self._cv:
+        with self._cv, self._floor_lent():
             self._cv.wait_for(lambda: is_done() or self._closing, timeout_s)
 
     def is_busy_with(self, runtime: Any) -> bool:
@@ -152,13 +190,13 @@ class MaskWorker:
             self._cv.notify_all()
 
     def wait_urgent(self) -> None:
-        with self._cv:
+        with self._cv, self._floor_lent():
             while self._urgent is not None and not self._closing:
                 self._cv.wait()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until the queue is empty and nothing is being built (benches and tests: a quiet start)."""
-        with self._cv:
+        with self._cv, self._floor_lent():
             return self._cv.wait_for(lambda: not self._queue and self._busy is None and self._urgent is None
                                      and self._num_done > 0, timeout_s)
 
@@ -208,6 +246,10 @@ class MaskWorker:
                     if self._closing:
                         self._set_busy(False)
                         return
+                    if self._floor:  # the step runs its host code: wait for its forward or its next wait
+                        self._set_busy(False)
+                        self._cv.wait()
+                        continue
                     if self._urgent is not None:
                         job = self._urgent
                         break

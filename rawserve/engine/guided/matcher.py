@@ -607,11 +607,21 @@ class GuidedRegistry:
     a short grace (`wait_built`), keeps them and samples in a later step (`is_ready` False;
     deferred.DeferredSamples): one cold mask never holds up the batch for longer than the grace. Drafted positions (speculative decoding) build theirs during the forward
     (`build_ahead`) and the step waits for what outlasts it.
+
+    On a GPU the helper yields to the step's host code (`yields_to_step`; MaskWorker.hold_floor): it builds while the
+    forward runs on the device and while the step waits for masks, not beside the step's launches and Python.
     """
+
+    # None: yield where the forward runs on a CUDA device (its host code is then short launches and Python, which
+    # the helper's Python would convoy, and the device's work leaves the host waiting); True / False: always / never
+    # (tests run the yielding step on the CPU)
+    YIELD_TO_STEP: bool | None = None
 
     def __init__(self, vocab: VocabIndex, device: torch.device | str = "cpu", capacity: int = 32) -> None:
         self.vocab = vocab
         self.device = device
+        yields = self.YIELD_TO_STEP
+        self.yields_to_step = torch.device(device).type == "cuda" if yields is None else yields
         self.capacity = capacity
         self._runtimes: OrderedDict[str, GrammarRuntime] = OrderedDict()
         # Its first job is the vocabulary's plain split and Python arrays (about a second), so no step waits for
@@ -675,6 +685,18 @@ class GuidedRegistry:
         """The step is done with every grammar: the helper may build on all of them again."""
         self._worker.end_step()
         self._has_waiting_rows = False
+
+    def hold_floor(self) -> None:
+        """The step's host code runs: the helper starts no mask until release_floor, or a wait of the step's."""
+        self._worker.hold_floor()
+
+    def release_floor(self) -> None:
+        self._worker.release_floor()
+
+    @property
+    def has_work(self) -> bool:
+        """Masks are queued or being built (a hint)."""
+        return self._worker.has_work
 
     def wait_for_masks(self, timeout_s: float = 0.05) -> None:
         """The step had nothing to run: if rows wait for their masks, wait (no spin) until the helper
