@@ -43,6 +43,9 @@ if [[ "$device" == "cuda" ]]; then
   step "guided decoding's cold path (issue 34): batch 32 with 32 new schemas, an unconstrained stream's ITL beside 8"
   $py -m bench.guided --only-ours --skip-decode --cases get_weather --shape tiny --cold-decode --cold-shapes 0.6b \
     --device cuda
+  step "the same with the mask helper not yielding to the step's host code (the A/B of GuidedRegistry.YIELD_TO_STEP)"
+  $py -m bench.guided --only-ours --skip-decode --cases get_weather --shape tiny --cold-decode --cold-shapes 0.6b \
+    --device cuda --helper-yields off --cold-decode-pairs 1
   # last: compiling every kernel variant the cases cover is the slowest part of a first run
   step "triton kernel and engine cases, compiled, on CUDA tensors"
   $py -m pytest -q -p no:cacheprovider tests/engine/test_triton_attention.py >&2

@@ -5,6 +5,7 @@ python -m bench.guided [--passes 5] [--cold-rounds 5] [--batch 32] [--decode-tok
                        [--decode-grammars nested20] [--decode-warm] [--only-ours] [--cases a,b,...]
                        [--cold-decode] [--cold-decode-tokens 48] [--cold-decode-pairs 2] [--cold-itl-tokens 128]
                        [--cold-shapes tiny,0.6b] [--device cpu|cuda] [--attention-backend torch|triton]
+                       [--helper-yields auto|on|off]
                        [--shape 0.6b|tiny] [--lexeme-ab ROUNDS]
                        [--lexeme-ab-part all|counted|tail]
 One JSON object per result on stdout (setup, one per schema and implementation, ratios per schema, decode
@@ -779,8 +780,12 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                           max_num_batched_tokens=4096, max_model_len=max_prompt + longest + 8,
                           attention_backend=args.attention_backend or ("triton" if on_gpu else "torch"))
     log.info("cold decode: %s shape on %s (%s)", shape, args.device, dtype)
+    from rawserve.engine.guided.matcher import GuidedRegistry
+
+    GuidedRegistry.YIELD_TO_STEP = {"auto": None, "on": True, "off": False}[args.helper_yields]
     core = EngineCore(config)
     registry = core.guided_registry()
+    base["helper_yields"] = registry.yields_to_step
     registry.wait_idle()  # the vocabulary's plain split: engine start-up
     # on a GPU the timer's synchronize around each forward would keep the host from running ahead of the device, the
     # overlap the step is built on: the forward is not timed there
@@ -1043,6 +1048,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, choices=("torch", "triton"),
                         help="The cold runs' attention (default: triton on cuda, torch on cpu; triton on a CPU needs "
                              "TRITON_INTERPRET=1, as bench/gpu_check.sh --device cpu sets).")
+    parser.add_argument("--helper-yields", default="auto", choices=("auto", "on", "off"),
+                        help="Whether the cold runs' mask helper yields to the step's host code "
+                             "(GuidedRegistry.YIELD_TO_STEP; auto: on a CUDA device).")
     parser.add_argument("--only-ours", action="store_true", help="Skip xgrammar and llguidance.")
     parser.add_argument("--lexeme-ab", type=int, default=0, metavar="ROUNDS",
                         help="Only the first-pass CPU of ours with the string lexeme's shared sets off and on, in "
