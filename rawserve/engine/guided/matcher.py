@@ -24,7 +24,7 @@ from rawserve.engine.guided.lexemes import LexemeWalk, StringLexeme, prepare_str
 from rawserve.engine.guided.mask_worker import MaskWorker
 from rawserve.engine.guided.nfa import CompiledGrammar
 from rawserve.engine.guided.plain_walk import PlainWalk
-from rawserve.engine.guided.token_mask import SHORT_MAX_IDS, TokenMask, apply_rows, id_tensor
+from rawserve.engine.guided.token_mask import SHORT_MAX_IDS, TokenMask, apply_rows, id_tensor, to_device
 from rawserve.engine.guided.vocab import VocabIndex
 
 log = logging.getLogger("rawserve.engine.guided")
@@ -419,14 +419,9 @@ class GrammarRuntime:
 
     def _placed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids on the logits' device: on the CPU as they are (a no-op .to() went through the dispatcher, ~5 us a new
-        mask with caches cold). To a GPU through pinned memory, not waited for: a copy from pageable memory waits for
-        the work queued before it on the stream, so every mask the helper thread built while a step's forward ran
-        waited for that forward to end. The copy is queued on that stream too, ahead of the step that reads it."""
-        if self._is_cpu:
-            return ids
-        if self.device.type == "cuda" and ids.is_cpu and ids.numel():
-            return ids.pin_memory().to(self.device, non_blocking=True)
-        return ids.to(self.device)
+        mask with caches cold); to a GPU without waiting for its queued forward (token_mask.to_device), since the
+        helper thread builds masks while the forward runs."""
+        return ids if self._is_cpu else to_device(ids, self.device)
 
     def _make_mask(self, num_plain: int, certain: torch.Tensor | Sequence[int], more: list[int], accepting: bool,
                    lexeme: StringLexeme | InsideUpTo | None = None) -> TokenMask:

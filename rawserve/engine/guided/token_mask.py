@@ -42,6 +42,16 @@ def id_tensor(ids: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", ids), dtype=torch.int64)
 
 
+def to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: as it is on the CPU; to a CUDA device through pinned memory, not waited for. A
+    copy from pageable memory waits for the work queued before it on the stream, so a mask made, or a step's masks
+    applied, while the forward runs would wait for the forward to end. The copy is queued on that stream, ahead of
+    whatever reads it there."""
+    if device.type == "cuda" and ids.is_cpu and ids.numel():
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
+
+
 class TokenMask:
     """The tokens a configuration allows, kept as the shorter of the allowed or the banned id list.
 
@@ -139,9 +149,9 @@ class TokenMask:
 
 def apply_rows(logits: torch.Tensor, rows: list[tuple[int, TokenMask, Sequence[int]]]) -> None:
     """Mask rows of a step's logits ([B, V], in place) at once: (row, its mask, its end ids), as each mask's
-    apply() would, in a dozen torch ops whatever the number of rows (apply() takes three or four a row). For a
-    GPU's logits, where each op is a kernel launch the host pays for, and a GIL hand-over while the mask helper
-    builds (bench.gil_convoy).
+    apply() would, in the same torch ops whatever the number of rows (16 for mixed rows; apply() takes three or four
+    a row). For a GPU's logits, where each op is a kernel launch the host pays for, and a GIL hand-over while the
+    mask helper builds (bench.gil_convoy).
 
     Allow-list rows are gathered, filled with -inf but for their ids (and end ids where kept), and put back;
     ban-list rows get -inf at their ids, the end ids they keep saved before and written back after.
@@ -166,9 +176,7 @@ def apply_rows(logits: torch.Tensor, rows: list[tuple[int, TokenMask, Sequence[i
             kept_rows += [i] * len(keep)
             kept_ids += keep
     # one host-to-device copy for every row number, count and kept end id the ops below read
-    # (pinned and not waited for on a GPU: a plain copy from pageable memory would wait for the forward to end)
-    meta = torch.tensor(allow_rows + counts_a + ban_rows + counts_b + kept_rows + kept_ids, dtype=torch.int64,
-                        pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    meta = to_device(id_tensor(allow_rows + counts_a + ban_rows + counts_b + kept_rows + kept_ids), device)
     allow_at, counts_a_at, ban_at, counts_b_at, kept_rows_at, kept_ids_at = meta.split(
         [len(allow_rows), len(counts_a), len(ban_rows), len(counts_b), len(kept_rows), len(kept_ids)])
     if ban_rows:
@@ -187,8 +195,7 @@ def apply_rows(logits: torch.Tensor, rows: list[tuple[int, TokenMask, Sequence[i
         logits.index_copy_(0, allow_at, kept)
 
 
-# (end ids, device) -> their int64 tensor there, made once: made at each use, a GPU's was a copy from host memory
-# that waited for the work queued before it (the forward)
+# (end ids, device) -> their int64 tensor there, made once rather than copied from host memory at each use
 _eos_tensors: dict[tuple, torch.Tensor] = {}
 _MAX_EOS_TENSORS = 256  # requests name their own stop ids: past this many sets, the kept ones are dropped
 
@@ -199,5 +206,5 @@ def _ids_on(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     if t is None:
         if len(_eos_tensors) >= _MAX_EOS_TENSORS:
             _eos_tensors.clear()
-        t = _eos_tensors[key] = torch.tensor(key[0], dtype=torch.int64, device=device)
+        t = _eos_tensors[key] = to_device(id_tensor(list(key[0])), torch.device(device))
     return t
