@@ -869,9 +869,10 @@ def bench_cold_decode(args, shape: str, tokenizer, ours: Ours, base: dict) -> li
                      "cold_step_ms_p50": round(percentile([s[0] * 1e3 for s in cold_steps], 0.5), 2),
                      "cold_step_ms_max": round(max(s[0] for s in cold_steps) * 1e3, 2),
                      "unconstrained_step_ms_p50": round(percentile([s[0] * 1e3 for s in plain_steps], 0.5), 2),
-                     "cold_forward_ms_p50": forward and round(percentile([s[2] * 1e3 for s in cold_steps], 0.5), 2),
-                     "unconstrained_forward_ms_p50": forward and round(
-                         percentile([s[2] * 1e3 for s in plain_steps], 0.5), 2),
+                     "cold_forward_ms_p50": round(percentile([s[2] * 1e3 for s in cold_steps], 0.5), 2)
+                     if forward else None,
+                     "unconstrained_forward_ms_p50": round(percentile([s[2] * 1e3 for s in plain_steps], 0.5), 2)
+                     if forward else None,
                      # row-steps whose sample waited for a mask (Scheduler.ready keeps such a row out), what the
                      # steps waited for masks after their forwards (the grace) and, with nothing else to run, for
                      # the helper

@@ -107,7 +107,7 @@ def test_a_short_mask_on_a_float32_cpu_row_runs_no_torch_op(monkeypatch):
 
 
 def test_masking_many_rows_at_once_masks_each_as_its_own_apply_does():
-    """apply_rows (a GPU step's masks in a dozen ops) against each mask's apply() and the element-by-element
+    """apply_rows (a GPU step's masks in a fixed number of ops) against each mask's apply() and the element-by-element
     expectation: allow and ban lists, accepting or not, one that allows nothing, end ids inside a ban list and
     among an allow list's ids, rows left unconstrained between them."""
     gen = torch.Generator().manual_seed(7)
